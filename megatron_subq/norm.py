@@ -1,0 +1,46 @@
+"""A torch-only RMSNorm/LayerNorm for megatron-core's local (non-TE) specs, sequence-parallel ready.
+
+megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism and its fused norm needs apex
+(CUDA). Under SP each rank normalises its own sequence shard, so the norm weights see only part
+of the tokens: they carry ``sequence_parallel=True`` and megatron's ``finalize_model_grads``
+all-reduces their gradients over TP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .parallel import mark_sequence_parallel
+
+
+class LocalNorm(torch.nn.Module):
+    """RMSNorm (default, Transformer++) or LayerNorm, per ``config.normalization``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"normalization={config.normalization!r} is invalid: allowed "
+                             "'RMSNorm' or 'LayerNorm'")
+        self.kind = config.normalization
+        self.eps = eps
+        self.hidden_size = hidden_size
+        self.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+        init = 0.0 if self.zero_centered_gamma else 1.0
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.full((hidden_size,), init, dtype=dtype))
+        params = [self.weight]
+        if self.kind == "LayerNorm":
+            self.bias = torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+            params.append(self.bias)
+        mark_sequence_parallel(params, config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight + 1.0 if self.zero_centered_gamma else self.weight
+        # normalise in fp32 for bf16/fp16 activations, as megatron's fused norms do
+        xf = x.float()
+        if self.kind == "RMSNorm":
+            y = F.rms_norm(xf, (self.hidden_size,), w.float(), self.eps)
+        else:
+            y = F.layer_norm(xf, (self.hidden_size,), w.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)

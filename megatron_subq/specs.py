@@ -1,0 +1,144 @@
+"""Layer and block specs: how a GPT layer is assembled from a variant.
+
+``get_gpt_layer_spec(config, n)`` is a Transformer++ layer (pre-norm, SwiGLU MLP) whose
+``self_attention`` slot comes from the variant of layer n (``config.layer_variants[n-1]``).
+``get_gpt_block_spec`` returns one such spec per layer of this pipeline stage, so hybrids mix
+variants layer by layer. ``build_gpt_model`` wraps it in megatron-core's ``GPTModel``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from .config import SubqTransformerConfig
+from .norm import LocalNorm
+from .variants import VARIANTS, SpecBackend
+from .variants.standard import SDPACoreAttention
+
+try:  # Transformer Engine is an optional accelerator
+    import transformer_engine  # noqa: F401
+
+    from megatron.core.extensions.transformer_engine import (
+        TEColumnParallelLinear,
+        TEDotProductAttention,
+        TENorm,
+        TERowParallelLinear,
+    )
+
+    HAVE_TE = True
+except ImportError:  # pragma: no cover - depends on the machine
+    HAVE_TE = False
+
+
+def get_backend(use_te: Optional[bool] = None) -> SpecBackend:
+    """TE modules when ``use_te`` (default: TE importable and CUDA present), else megatron-core's
+    local modules with our torch-only norm and SDPA core attention."""
+    if use_te is None:
+        use_te = HAVE_TE and torch.cuda.is_available()
+    if use_te:
+        if not HAVE_TE:
+            raise ValueError("use_te=True but transformer_engine is not importable; allowed: "
+                             "use_te=False or None")
+        return SpecBackend(True, TEColumnParallelLinear, TERowParallelLinear, TENorm,
+                           TEDotProductAttention)
+    return SpecBackend(False, ColumnParallelLinear, RowParallelLinear, LocalNorm,
+                       SDPACoreAttention)
+
+
+def _check_config(config) -> None:
+    if not isinstance(config, SubqTransformerConfig):
+        raise TypeError(f"config must be a megatron_subq.SubqTransformerConfig, got "
+                        f"{type(config).__name__}")
+
+
+def get_gpt_layer_spec(config: SubqTransformerConfig, layer_number: int,
+                       use_te: Optional[bool] = None) -> ModuleSpec:
+    """The spec of layer ``layer_number`` (1-based, global over pipeline stages)."""
+    _check_config(config)
+    if not 1 <= layer_number <= config.num_layers:
+        raise ValueError(f"layer_number={layer_number} is invalid: allowed 1..num_layers="
+                         f"{config.num_layers}")
+    backend = get_backend(use_te)
+    variant = VARIANTS[config.layer_variants[layer_number - 1]]
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=backend.column_parallel_linear, linear_fc2=backend.row_parallel_linear))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=backend.norm,
+            self_attention=variant.attention_spec(config, layer_number, backend),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=backend.norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def get_gpt_block_spec(config: SubqTransformerConfig, use_te: Optional[bool] = None,
+                       vp_stage: Optional[int] = None,
+                       pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """One layer spec per layer built on this pipeline stage (all layers without PP)."""
+    _check_config(config)
+    if config.pipeline_model_parallel_layout is not None:
+        raise ValueError("pipeline_model_parallel_layout is not supported by megatron_subq's "
+                         "block spec; allowed: None (even split, or first/last-stage layer counts)")
+    if parallel_state.model_parallel_is_initialized() or pp_rank is not None:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+        count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    else:
+        offset, count = 0, config.num_layers
+    layer_specs = [get_gpt_layer_spec(config, n, use_te)
+                   for n in range(offset + 1, offset + count + 1)]
+    return TransformerBlockSubmodules(layer_specs=layer_specs,
+                                      layer_norm=get_backend(use_te).norm)
+
+
+def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence_length: int,
+                    use_te: Optional[bool] = None, vp_stage: Optional[int] = None,
+                    **gpt_kwargs) -> GPTModel:
+    """A megatron-core ``GPTModel`` whose layers follow ``config.layer_variants``.
+
+    Defaults are Transformer++'s: RoPE, untied embeddings; this pipeline stage's pre/post
+    processing. Any ``GPTModel`` argument can be passed through ``gpt_kwargs``.
+    """
+    _check_config(config)
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid: allowed a positive integer")
+    if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
+        raise ValueError(f"max_sequence_length={max_sequence_length!r} is invalid: allowed a "
+                         "positive integer")
+    if parallel_state.model_parallel_is_initialized():
+        gpt_kwargs.setdefault("pre_process",
+                              parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                     vp_stage=vp_stage))
+        gpt_kwargs.setdefault("post_process",
+                              parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                    vp_stage=vp_stage))
+    gpt_kwargs.setdefault("position_embedding_type", "rope")
+    gpt_kwargs.setdefault("share_embeddings_and_output_weights", False)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_block_spec(config, use_te, vp_stage=vp_stage),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        vp_stage=vp_stage,
+        **gpt_kwargs,
+    )

@@ -1,0 +1,51 @@
+"""standard: causal softmax attention, the Transformer++ baseline (RMSNorm, RoPE, SwiGLU, GQA).
+
+The core is ``ops.standard_attention`` through torch SDPA (cuDNN / flash on GPUs, the math
+backend on the CPU) — not megatron's local ``DotProductAttention``, which allocates on CUDA. With
+Transformer Engine, TE's fused attention is used instead.
+"""
+
+from __future__ import annotations
+
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..attention import SubqCoreAttention
+from ..ops import standard_attention
+from .base import SpecBackend, Variant
+
+
+class SDPACoreAttention(SubqCoreAttention):
+    """Softmax attention through ``ops.standard_attention`` (scale 1/sqrt(d) unless configured)."""
+
+    def attend(self, q, k, v):
+        return standard_attention(q, k, v, causal=True, scale=self.softmax_scale,
+                                  impl=self.config.subq_impl)
+
+
+def self_attention_spec(core_attention: type, backend: SpecBackend) -> ModuleSpec:
+    """megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel output) around a core."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=backend.column_parallel_linear,
+            core_attention=core_attention,
+            linear_proj=backend.row_parallel_linear,
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+
+
+def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpec:
+    return self_attention_spec(backend.core_attention, backend)
+
+
+VARIANT = Variant(
+    name="standard",
+    summary="causal softmax attention (Transformer++ baseline)",
+    attention_spec=attention_spec,
+)
