@@ -20,7 +20,8 @@ import torch
 
 
 def text_batches(seq: int, batch: int, steps: int, seed: int = 0):
-    """Byte-level batches of real text (vocab 256), or random bytes if the corpus is absent."""
+    """Byte-level batches of real text (vocab 256). Without the corpus (e.g. on a machine where
+    ../shared is absent): a fixed set of 4 random sequences repeated, which a model can memorise."""
     here = os.path.dirname(os.path.abspath(__file__))
     corpus = os.path.join(here, "..", "..", "shared", "data", "docs-corpus.jsonl.xz")
     g = torch.Generator().manual_seed(seed)
@@ -35,8 +36,11 @@ def text_batches(seq: int, batch: int, steps: int, seed: int = 0):
                 if len(data) >= need:
                     break
         ids = torch.tensor(list(data[:need]), dtype=torch.long)
+        print(f"data: {corpus} (byte-level)")
     else:
-        ids = torch.randint(0, 256, (need,), generator=g)
+        pool = torch.randint(0, 256, (4 * batch, seq + 1), generator=g)
+        ids = pool.repeat(steps // 4 + 1, 1)[: steps * batch].reshape(-1)
+        print("data: corpus not found; memorising 4 fixed batches of random bytes")
     ids = ids.view(steps, batch, seq + 1)
     for step in range(steps):
         yield ids[step, :, :-1], ids[step, :, 1:]

@@ -1,0 +1,141 @@
+"""The foundation: config validation, registry, specs, the standard op, checkpoints, training."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_subq as subq
+from megatron_subq.testing import run_distributed
+from megatron_subq.testing.checkpoint import checkpoint_roundtrip
+
+BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_public_api():
+    assert "standard" in subq.VARIANTS
+    for name, v in subq.VARIANTS.items():
+        assert v.name == name and v.summary
+    cfg = subq.SubqTransformerConfig(**BASE)
+    assert cfg.layer_variants == ["standard", "standard"]
+    assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and not cfg.add_bias_linear
+    block = subq.get_gpt_block_spec(cfg, use_te=False)
+    assert len(block.layer_specs) == 2
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("attention_variant", "nope", "attention_variant='nope'"),
+    ("layer_pattern", "zigzag", "layer_pattern='zigzag'"),
+    ("layer_pattern", ["standard"], "layer_pattern has 1 entries"),
+    ("layer_pattern", ["standard", "nope"], "layer_pattern[1]='nope'"),
+    ("subq_impl", "fast", "subq_impl='fast'"),
+    ("asa_normalize", "l2", "asa_normalize='l2'"),
+    ("asa_rank", 0, "asa_rank=0"),
+    ("ppa_power", 1.5, "ppa_power=1.5"),
+    ("ppa_power", -0.1, "ppa_power=-0.1"),
+    ("ppa_window", -1, "ppa_window=-1"),
+    ("sas_kernel", 2, "sas_kernel=2"),
+    ("superlinear_topk", 0, "superlinear_topk=0"),
+    ("superlinear_search_power", 0.0, "superlinear_search_power=0.0"),
+    ("superlinear_span_power", 0.25, "superlinear_span_power=0.25"),
+    ("superlinear_backward_factor", 1.0, "superlinear_backward_factor=1.0"),
+    ("superlinear_block_size", 48, "superlinear_block_size=48"),
+])
+def test_invalid_config_names_the_field(field, value, needle):
+    with pytest.raises(ValueError) as err:
+        subq.SubqTransformerConfig(**BASE, **{field: value})
+    assert needle in str(err.value), str(err.value)
+    assert "allowed" in str(err.value)
+
+
+def test_heads_not_divisible_by_tp_is_rejected():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size"):
+        subq.SubqTransformerConfig(**BASE, tensor_model_parallel_size=3)
+
+
+def test_random_access_opt_out():
+    cfg = subq.SubqTransformerConfig(**BASE, superlinear_span_power=0.25,
+                                     superlinear_allow_no_random_access=True)
+    assert cfg.superlinear_span_power == 0.25
+    assert subq.SubqTransformerConfig(**BASE).superlinear_window == 1088
+
+
+def test_build_gpt_model_rejects_bad_arguments():
+    cfg = subq.SubqTransformerConfig(**BASE)
+    with pytest.raises(ValueError, match="vocab_size"):
+        subq.build_gpt_model(cfg, vocab_size=0, max_sequence_length=16)
+    with pytest.raises(TypeError, match="SubqTransformerConfig"):
+        subq.get_gpt_block_spec(object())
+    with pytest.raises(ValueError, match="layer_number"):
+        subq.get_gpt_layer_spec(cfg, 3)
+
+
+@pytest.mark.parametrize("T,H,H_kv", [(1, 4, 4), (17, 4, 2), (33, 6, 1)])
+def test_standard_op_matches_reference(T, H, H_kv):
+    g = torch.Generator().manual_seed(T)
+    q = torch.randn(2, T, H, 8, generator=g)
+    k = torch.randn(2, T, H_kv, 8, generator=g)
+    v = torch.randn(2, T, H_kv, 8, generator=g)
+    out = subq.ops.standard_attention(q, k, v)
+    ref = subq.ops.standard_attention(q, k, v, impl="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # causality: changing the last token changes nothing before it
+    k2 = k.clone(); k2[:, -1] += 1.0
+    out2 = subq.ops.standard_attention(q, k2, v)
+    torch.testing.assert_close(out2[:, :-1], out[:, :-1])
+
+
+def test_standard_op_rejects_bad_input():
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="k must have shape"):
+        subq.ops.standard_attention(q, torch.randn(4, 4, 8), q)
+    with pytest.raises(ValueError, match="multiple of the key/value head count"):
+        subq.ops.standard_attention(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
+    with pytest.raises(ValueError, match="impl="):
+        subq.ops.standard_attention(q, q, q, impl="fast")
+
+
+def test_te_spec_path():
+    from megatron_subq.specs import HAVE_TE
+    if not HAVE_TE:
+        pytest.skip("transformer_engine is not importable here: the TE spec path is tested where "
+                    "TE is installed")
+    cfg = subq.SubqTransformerConfig(**BASE)
+    spec = subq.get_gpt_layer_spec(cfg, 1, use_te=True)
+    assert spec.submodules.input_layernorm.__name__ == "TENorm"
+
+
+def test_use_te_without_te_is_a_clear_error():
+    from megatron_subq.specs import HAVE_TE
+    if HAVE_TE:
+        pytest.skip("transformer_engine is installed")
+    with pytest.raises(ValueError, match="use_te=True"):
+        subq.get_gpt_layer_spec(subq.SubqTransformerConfig(**BASE), 1, use_te=True)
+
+
+def _roundtrip_cases():
+    """A hybrid (two different layer specs) when a second variant is registered."""
+    cases = [("standard", {})]
+    others = [n for n in sorted(subq.VARIANTS) if n != "standard"]
+    if others:
+        cases.append(("hybrid", {"layer_pattern": [others[0], "standard"]}))
+    return cases
+
+
+@pytest.mark.parametrize("name,kwargs", _roundtrip_cases(), ids=lambda c: str(c)[:12])
+def test_dist_checkpoint_reshards_between_tp2_and_tp1(tmp_path, name, kwargs):
+    ref = run_distributed(checkpoint_roundtrip, 2, tp=2, args=(kwargs, str(tmp_path / "tp2"), "save"))
+    got = run_distributed(checkpoint_roundtrip, 1, tp=1, args=(kwargs, str(tmp_path / "tp2"), "load"))
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_quickstart_trains_with_falling_loss():
+    """The README's main job: a tiny GPT trained with megatron's DDP + optimizer on the CPU."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py"),
+                          "--steps", "30"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    first, last = out.stdout.strip().splitlines()[-1].split()[1::2]
+    assert float(last) < float(first) - 0.5, out.stdout
