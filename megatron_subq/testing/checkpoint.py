@@ -10,6 +10,8 @@ right sharding in ``sharded_state_dict``.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
@@ -27,6 +29,7 @@ def checkpoint_roundtrip(cfg_kwargs: dict, ckpt_dir: str, action: str, vocab: in
     config = SubqTransformerConfig(**{**TINY, **cfg_kwargs, "tensor_model_parallel_size": tp})
     model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq)
     if action == "save":
+        os.makedirs(ckpt_dir, exist_ok=True)
         dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
     else:
         with torch.no_grad():  # make sure loading really replaces every weight
