@@ -56,8 +56,9 @@ class SubqTransformerConfig(TransformerConfig):
     input through unchanged. Not a training mode."""
 
     # ---- asa ----------------------------------------------------------------------------
-    asa_rank: int = 32
-    """m: the feature dimension of ASA's per-head projections P_Q, P_K (d_h x m), m < d_h."""
+    asa_rank: Optional[int] = None
+    """m: the feature dimension of ASA's per-head projections P_Q, P_K (d_h x m), m < d_h
+    (default min(32, kv_channels // 2), so the default is valid for small heads too)."""
     asa_normalize: str = "linear"
     """'linear' (weights over j sum to 1), 'none' (the paper's literal product), 'mean' (/(i+1))."""
 
@@ -94,6 +95,9 @@ class SubqTransformerConfig(TransformerConfig):
     """Opt out of the random-context-access check (p + p_sp >= 1 and b >= 1/p)."""
 
     # ---- deconstructed-attention variants ------------------------------------------------
+    mlp_attention_width: Optional[int] = None
+    """mlp: inner width f of the gated MLP in the attention slot; None = parameter-matched to
+    standard attention (see ``variants.mlp.matched_width``). Must split over TP."""
     fixed_qk_tokens_file: Optional[str] = None
     """fixed_seq_qk: a file of token ids (whitespace-separated, or .npy) of the fixed text."""
     fixed_qk_seed: int = 1234
@@ -124,8 +128,11 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("attention_variant", self.attention_variant, f"one of {names}")
         if self.subq_impl is not None and self.subq_impl not in SUBQ_IMPLS:
             _fail("subq_impl", self.subq_impl, f"one of {SUBQ_IMPLS} or None")
-        if not isinstance(self.asa_rank, int) or self.asa_rank < 1:
+        if self.asa_rank is not None and (not isinstance(self.asa_rank, int) or self.asa_rank < 1):
             _fail("asa_rank", self.asa_rank, "a positive integer m < kv_channels")
+        w = self.mlp_attention_width
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            _fail("mlp_attention_width", w, "None or a positive integer")
         if self.asa_normalize not in ASA_NORMALIZE_MODES:
             _fail("asa_normalize", self.asa_normalize, f"one of {ASA_NORMALIZE_MODES}")
         if not (isinstance(self.ppa_power, (int, float)) and 0.0 <= self.ppa_power <= 1.0):
@@ -180,6 +187,8 @@ class SubqTransformerConfig(TransformerConfig):
 
         H, D, tp = self.num_attention_heads, self.kv_channels, self.tensor_model_parallel_size
         used = set(self.layer_variants)
+        if "asa" in used and self.asa_rank is None:
+            self.asa_rank = max(1, min(32, D // 2))
         if "asa" in used and not self.asa_rank < D:
             _fail("asa_rank", self.asa_rank, f"an integer in [1, kv_channels={D})")
         if "sas" in used:

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from .config import SubqTransformerConfig
+from .model import model_class
 from .norm import LocalNorm
 from .variants import VARIANTS, SpecBackend
 from .variants.standard import SDPACoreAttention
@@ -68,6 +69,16 @@ def _check_config(config) -> None:
                         f"{type(config).__name__}")
 
 
+class SkippedTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` that passes its input through unchanged: the paper's *skip* ablation
+    (``config.skip_variant_layers``). It builds and keeps all its parameters, so a trained
+    checkpoint loads unchanged (same state-dict keys); its attention *and* its MLP are skipped —
+    the whole layer is removed, as the paper removes the odd layers of a trained hybrid."""
+
+    def forward(self, hidden_states, *args, context=None, **kwargs):
+        return hidden_states, context
+
+
 def get_gpt_layer_spec(config: SubqTransformerConfig, layer_number: int,
                        use_te: Optional[bool] = None) -> ModuleSpec:
     """The spec of layer ``layer_number`` (1-based, global over pipeline stages)."""
@@ -79,8 +90,9 @@ def get_gpt_layer_spec(config: SubqTransformerConfig, layer_number: int,
     variant = VARIANTS[config.layer_variants[layer_number - 1]]
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
         linear_fc1=backend.column_parallel_linear, linear_fc2=backend.row_parallel_linear))
+    skipped = config.skip_variant_layers and variant.name != "standard"
     return ModuleSpec(
-        module=TransformerLayer,
+        module=SkippedTransformerLayer if skipped else TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=backend.norm,
             self_attention=variant.attention_spec(config, layer_number, backend),
@@ -134,7 +146,8 @@ def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence
                                                                     vp_stage=vp_stage))
     gpt_kwargs.setdefault("position_embedding_type", "rope")
     gpt_kwargs.setdefault("share_embeddings_and_output_weights", False)
-    return GPTModel(
+    # StreamGPTModel (a GPTModel subclass) only when a layer takes Q/K from a carried stream
+    return model_class(config)(
         config=config,
         transformer_layer_spec=get_gpt_block_spec(config, use_te, vp_stage=vp_stage),
         vocab_size=vocab_size,

@@ -16,10 +16,11 @@ from .dispatch import IMPLS, check_qkv, repeat_kv
 
 
 def standard_attention_reference(q, k, v, causal: bool = True, scale: Optional[float] = None):
-    """The O(T^2) definition, in fp32: softmax(q k^T * scale) v over j <= i."""
+    """The O(T^2) definition, in fp32 (fp64 for fp64 inputs): softmax(q k^T * scale) v, j <= i."""
     B, T, H, H_kv, D = check_qkv("standard_attention", q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    qf, kf, vf = (x.float() for x in (q, repeat_kv(k, H), repeat_kv(v, H)))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = (x.to(acc) for x in (q, repeat_kv(k, H), repeat_kv(v, H)))
     scores = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale
     if causal:
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()

@@ -1,0 +1,303 @@
+"""Triton kernels of causal ASA: chunked linear attention with the softmax feature maps fused in.
+
+Per (batch, query head), with chunks of ``BT`` tokens, ``q' = softmax(q P_Q)``, ``k' = softmax(k P_K)``
+computed in registers from q, k and the head's ``P`` (never written to HBM)::
+
+    forward   states:  S_c = S_0 + Σ_{chunks < c} k'ᵀ v,   z_c = z_0 + Σ k'            (sequential in c)
+              output:  num = tril(q' k'ᵀ) v + q' S_c,        den = tril(q' k'ᵀ) 1 + q' z_c (parallel in c)
+                       o = num / den  (linear) | num (none) | num / (i+1) (mean)
+    backward  g = dO / den, r = -(dO·o) / den (linear; r = 0 otherwise),
+              reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r       (sequential)
+              per chunk:  dA = tril(g vᵀ + r 1ᵀ)
+                          dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
+                          dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c
+                          dℓ = f ⊙ (df − Σ_m f ⊙ df)  (softmax), dq = dℓ_q P_Qᵀ, dk = dℓ_k P_Kᵀ
+              dP_Q = Σ qᵀ dℓ_q, dP_K = Σ kᵀ dℓ_k: one batched GEMM per head in torch.
+
+Matmul operands are cast to the input dtype (bf16/fp16 tensor cores, or fp32 with
+``input_precision="ieee"``); every accumulation (dots, states, softmax) is fp32. Triton's
+interpreter computes bf16 ``tl.dot`` wrongly, so there (only) bf16 operands go through fp32. The chunk states
+``S_c, z_c`` (fp32, ``[B, H, NT, m, Dv]``) are written by the state kernel and read by the output
+kernel; the backward recomputes them rather than keeping them alive between passes.
+
+Padding: D, m and Dv are padded to powers of two ≥ 16 (``tl.dot``'s minimum) with masked loads;
+padded features get logit −inf (feature value 0), padded tokens (t ≥ T) get k' = q' = 0 so they add
+nothing to any state.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot_dtype(ptr, DOT_F32: tl.constexpr):
+    """Matmul operand dtype: the input's (tensor cores), or fp32 where the interpreter's bf16 dot
+    is unusable (``DOT_F32``)."""
+    if DOT_F32:
+        return tl.float32
+    else:
+        return ptr.dtype.element_ty
+
+
+@triton.jit
+def _softmax_features(x, p, feat_mask, row_mask, PREC: tl.constexpr):
+    """softmax over features of x @ p, fp32 ``[BT, BM]``; masked rows are 0."""
+    logits = tl.dot(x, p, input_precision=PREC)
+    logits = tl.where(feat_mask[None, :], logits, float("-inf"))
+    e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    f = e / tl.sum(e, axis=1)[:, None]
+    return tl.where(row_mask[:, None], f, 0.0)
+
+
+@triton.jit
+def _load_rows(ptr, t0, T, stride_t, cols, n_cols, BT: tl.constexpr):
+    """A ``[BT, len(cols)]`` tile of rows t0..t0+BT of a [T, ...] slice (zeros outside)."""
+    rows = t0 + tl.arange(0, BT)
+    mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_t + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_p(p_ptr, h, D, M, BD: tl.constexpr, BM: tl.constexpr):
+    """The head's P ``[BD, BM]`` (contiguous [H, D, m] parameter), zero-padded."""
+    d = tl.arange(0, BD)
+    m = tl.arange(0, BM)
+    mask = (d[:, None] < D) & (m[None, :] < M)
+    return tl.load(p_ptr + h * D * M + d[:, None] * M + m[None, :], mask=mask, other=0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# forward
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def asa_fwd_states_kernel(
+    k_ptr, v_ptr, pk_ptr, s0_ptr, z0_ptr, states_ptr, zs_ptr, st_ptr, zt_ptr,
+    T, H, G, D, M, DV, NT,
+    skb, skt, skh, svb, svt, svh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(Dv, BV), B*H): S_c, z_c before every chunk c (and the final state)."""
+    pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    dt = _dot_dtype(k_ptr, DOT_F32)
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    feat_mask = m_idx < M
+    p = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
+    # states: [B, H, NT, M, DV]; zs: [B, H, NT, M]
+    s_off = m_idx[:, None] * DV + v_cols[None, :]
+    S = tl.zeros([BM, BV], dtype=tl.float32)
+    z = tl.zeros([BM], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0_ptr + pid_bh * M * DV + s_off, mask=sv_mask, other=0.0)
+        z = tl.load(z0_ptr + pid_bh * M + m_idx, mask=feat_mask, other=0.0)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    for c in range(NT):
+        out = pid_bh * NT + c
+        tl.store(states_ptr + out * M * DV + s_off, S, mask=sv_mask)
+        if pid_v == 0:
+            tl.store(zs_ptr + out * M + m_idx, z, mask=feat_mask)
+        t0 = c * BT
+        row_mask = (t0 + tl.arange(0, BT)) < T
+        kc = _load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt)
+        vc = _load_rows(v_base, t0, T, svt, v_cols, DV, BT).to(dt)
+        kf = _softmax_features(kc, p, feat_mask, row_mask, PREC)
+        S += tl.dot(tl.trans(kf.to(dt)), vc, input_precision=PREC)
+        z += tl.sum(kf, axis=0)
+    if STORE_FINAL:
+        tl.store(st_ptr + pid_bh * M * DV + s_off, S, mask=sv_mask)
+        if pid_v == 0:
+            tl.store(zt_ptr + pid_bh * M + m_idx, z, mask=feat_mask)
+
+
+@triton.jit
+def asa_fwd_out_kernel(
+    q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, states_ptr, zs_ptr, seen_ptr, o_ptr, den_ptr,
+    T, H, G, D, M, DV, NT,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (NT, cdiv(Dv, BV), B*H): one chunk's output. NORM: 0 linear, 1 none, 2 mean.
+    o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1)."""
+    c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    dt = _dot_dtype(q_ptr, DOT_F32)
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_mask = rows < T
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    feat_mask = m_idx < M
+    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, T, sqt, d_cols, D, BT).to(dt)
+    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, T, skt, d_cols, D, BT).to(dt)
+    vc = _load_rows(v_ptr + b * svb + hk * svh, t0, T, svt, v_cols, DV, BT).to(dt)
+    qf = _softmax_features(qc, _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
+    kf = _softmax_features(kc, _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
+    causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+    A = tl.where(causal, tl.dot(qf.to(dt), tl.trans(kf.to(dt)), input_precision=PREC), 0.0)
+    st = pid_bh * NT + c
+    sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
+    S = tl.load(states_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :], mask=sv_mask,
+                other=0.0)
+    num = tl.dot(A.to(dt), vc, input_precision=PREC)
+    num += tl.dot(qf.to(dt), S.to(dt), input_precision=PREC)
+    if NORM == 0:
+        z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+        den = tl.sum(A, axis=1) + tl.sum(qf * z[None, :], axis=1)
+        # > 0 by construction; the clamp only turns an fp32 underflow 0/0 into 0
+        den = tl.maximum(den, 1.1754943508222875e-38)
+        num = num / den[:, None]
+    elif NORM == 2:
+        den = tl.load(seen_ptr + pid_bh) + (rows + 1).to(tl.float32)
+        num = num / den[:, None]
+    else:
+        den = tl.full([BT], 1.0, tl.float32)
+    o_rows = (b * T + rows) * H + h
+    tl.store(o_ptr + o_rows[:, None] * DV + v_cols[None, :], num.to(o_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (v_cols[None, :] < DV))
+    if pid_v == 0:
+        tl.store(den_ptr + pid_bh * T + rows, den, mask=row_mask)
+
+
+# ------------------------------------------------------------------------------------------
+# backward
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def asa_bwd_states_kernel(
+    q_ptr, pq_ptr, do_ptr, den_ptr, r_ptr, dstates_ptr, dzs_ptr,
+    T, H, D, M, DV, NT,
+    sqb, sqt, sqh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(Dv, BV), B*H): dS_c = Σ_{chunks > c} q'ᵀ g and dz_c = Σ_{chunks > c} q'ᵀ r.
+    dO: [B, T, H, DV] contiguous; den, r: [B, H, T] fp32."""
+    pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    dt = _dot_dtype(q_ptr, DOT_F32)
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    feat_mask = m_idx < M
+    p = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
+    sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
+    s_off = m_idx[:, None] * DV + v_cols[None, :]
+    dS = tl.zeros([BM, BV], dtype=tl.float32)
+    dz = tl.zeros([BM], dtype=tl.float32)
+    q_base = q_ptr + b * sqb + h * sqh
+    for i in range(NT):
+        c = NT - 1 - i
+        out = pid_bh * NT + c
+        tl.store(dstates_ptr + out * M * DV + s_off, dS, mask=sv_mask)
+        if NORM == 0:
+            if pid_v == 0:
+                tl.store(dzs_ptr + out * M + m_idx, dz, mask=feat_mask)
+        t0 = c * BT
+        rows = t0 + tl.arange(0, BT)
+        row_mask = rows < T
+        qc = _load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt)
+        qf = _softmax_features(qc, p, feat_mask, row_mask, PREC)
+        o_rows = (b * T + rows) * H + h
+        g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                    mask=row_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(tl.float32)
+        if NORM != 1:
+            den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+            g = g / den[:, None]
+        dS += tl.dot(tl.trans(qf.to(dt)), g.to(dt), input_precision=PREC)
+        if NORM == 0:
+            r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
+            dz += tl.sum(qf * r[:, None], axis=0)
+
+
+@triton.jit
+def asa_bwd_chunk_kernel(
+    q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
+    states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dlq_ptr, dlk_ptr,
+    T, H, G, D, M, DV, NT, NV,
+    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (NT, B*H): dq [B,T,H,D], dk and dv per *query* head [B,T,H,D(v)] (summed over GQA
+    groups by the caller), and the feature-logit gradients dlq, dlk [B,T,H,M] fp32 for dP."""
+    c, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    dt = _dot_dtype(q_ptr, DOT_F32)
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_mask = rows < T
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    feat_mask = m_idx < M
+    p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
+    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, T, sqt, d_cols, D, BT).to(dt)
+    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, T, skt, d_cols, D, BT).to(dt)
+    qf = _softmax_features(qc, p_q, feat_mask, row_mask, PREC)
+    kf = _softmax_features(kc, p_k, feat_mask, row_mask, PREC)
+    causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+    A = tl.where(causal, tl.dot(qf.to(dt), tl.trans(kf.to(dt)), input_precision=PREC), 0.0)
+    st = pid_bh * NT + c
+    if NORM != 1:
+        den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+    if NORM == 0:
+        r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
+        z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+        dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+        dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
+        dqf = r[:, None] * z[None, :]
+        dkf = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
+    else:
+        dA = tl.zeros([BT, BT], dtype=tl.float32)
+        dqf = tl.zeros([BT, BM], dtype=tl.float32)
+        dkf = tl.zeros([BT, BM], dtype=tl.float32)
+    o_rows = (b * T + rows) * H + h
+    v_base = v_ptr + b * svb + hk * svh
+    for vb in range(0, NV):
+        v_cols = vb * BV + tl.arange(0, BV)
+        vmask = row_mask[:, None] & (v_cols[None, :] < DV)
+        sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
+        s_off = m_idx[:, None] * DV + v_cols[None, :]
+        vc = _load_rows(v_base, t0, T, svt, v_cols, DV, BT).to(dt)
+        g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
+                    other=0.0).to(tl.float32)
+        if NORM != 1:
+            g = g / den[:, None]
+        g = g.to(dt)
+        S = tl.load(states_ptr + st * M * DV + s_off, mask=sv_mask, other=0.0).to(dt)
+        dS = tl.load(dstates_ptr + st * M * DV + s_off, mask=sv_mask, other=0.0).to(dt)
+        dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
+        dqf += tl.dot(g, tl.trans(S), input_precision=PREC)
+        dkf += tl.dot(vc, tl.trans(dS), input_precision=PREC)
+        dv = tl.dot(tl.trans(A.to(dt)), g, input_precision=PREC)
+        dv += tl.dot(kf.to(dt), dS, input_precision=PREC)
+        tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :], dv.to(dv_ptr.dtype.element_ty),
+                 mask=vmask)
+    dA = tl.where(causal, dA, 0.0).to(dt)
+    dqf += tl.dot(dA, kf.to(dt), input_precision=PREC)
+    dkf += tl.dot(tl.trans(dA), qf.to(dt), input_precision=PREC)
+    # softmax backward: dℓ = f ⊙ (df − Σ_m f ⊙ df); padded features have f = 0
+    dlq = qf * (dqf - tl.sum(qf * dqf, axis=1)[:, None])
+    dlk = kf * (dkf - tl.sum(kf * dkf, axis=1)[:, None])
+    fm_mask = row_mask[:, None] & feat_mask[None, :]
+    tl.store(dlq_ptr + o_rows[:, None] * M + m_idx[None, :], dlq, mask=fm_mask)
+    tl.store(dlk_ptr + o_rows[:, None] * M + m_idx[None, :], dlk, mask=fm_mask)
+    dq = tl.dot(dlq.to(dt), tl.trans(p_q), input_precision=PREC)
+    dk = tl.dot(dlk.to(dt), tl.trans(p_k), input_precision=PREC)
+    d_mask = row_mask[:, None] & (d_cols[None, :] < D)
+    tl.store(dq_ptr + o_rows[:, None] * D + d_cols[None, :], dq.to(dq_ptr.dtype.element_ty),
+             mask=d_mask)
+    tl.store(dk_ptr + o_rows[:, None] * D + d_cols[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=d_mask)

@@ -1,0 +1,178 @@
+"""``ASAChunkFunction``: the Triton kernels of ``chunk.py`` wrapped as one autograd Function.
+
+Layout ``[B, T, H, D]`` (k, v: ``[B, T, H_kv, D]``, GQA), ``p_q, p_k: [H, D, m]``; the math and
+its conventions are those of ``megatron_subq.ops.asa`` (which tests compare against).
+Gradients flow to q, k, v, p_q and p_k; an initial state is an input without gradient and the
+final state an output without gradient (for prefill/decode, not for training through states).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from megatron_subq.ops.dispatch import triton_interpreting
+
+from .chunk import (
+    asa_bwd_chunk_kernel,
+    asa_bwd_states_kernel,
+    asa_fwd_out_kernel,
+    asa_fwd_states_kernel,
+)
+
+NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
+CHUNK = 64  # tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
+    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+    BD, BM, BV_all = _pow2(D), _pow2(m), _pow2(Dv)
+    return dict(
+        BT=CHUNK, BD=BD, BM=BM,
+        BV_state=min(64, BV_all),  # state kernels: split Dv for more programs in the scan
+        BV_out=min(128, BV_all),
+        BV_bwd=min(64, BV_all),
+        PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+        DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
+        warps=4 if max(BD, BV_all) <= 64 else 8,
+    )
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
+    """Run the state scan: S_c, z_c before every chunk (fp32), and the final state if asked."""
+    B, T, _, D = k.shape
+    Dv, m = v.shape[3], p_k.shape[2]
+    NT = triton.cdiv(T, cfg["BT"])
+    states = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=k.device)
+    zs = torch.empty(B, H, NT, m, dtype=torch.float32, device=k.device)
+    s_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=k.device) if store_final else states
+    z_final = torch.empty(B, H, m, dtype=torch.float32, device=k.device) if store_final else zs
+    has_s0 = s0 is not None
+    grid = (triton.cdiv(Dv, cfg["BV_state"]), B * H)
+    asa_fwd_states_kernel[grid](
+        k, v, p_k, s0 if has_s0 else states, z0 if has_s0 else zs, states, zs, s_final, z_final,
+        T, H, G, D, m, Dv, NT,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"],
+        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
+        num_warps=cfg["warps"], num_stages=2)
+    return states, zs, (s_final, z_final) if store_final else None
+
+
+class ASAChunkFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, p_q, p_k, normalize: str, s0: Optional[torch.Tensor],
+                z0: Optional[torch.Tensor], output_final_state: bool):
+        q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+        p_q, p_k = p_q.contiguous(), p_k.contiguous()
+        B, T, H, D = q.shape
+        G = H // k.shape[2]
+        Dv, m = v.shape[3], p_q.shape[2]
+        cfg = _launch(D, m, Dv, q.dtype)
+        norm = NORM_CODES[normalize]
+        if s0 is not None:
+            s0, z0 = s0.contiguous(), z0.contiguous()
+            seen = z0.sum(dim=-1).reshape(B * H).contiguous()  # tokens before (each k' sums to 1)
+        else:
+            seen = torch.zeros(B * H, dtype=torch.float32, device=q.device)
+        states, zs, final = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, output_final_state)
+        NT = states.shape[2]
+        o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
+        den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+        grid = (NT, triton.cdiv(Dv, cfg["BV_out"]), B * H)
+        asa_fwd_out_kernel[grid](
+            q, k, v, p_q, p_k, states, zs, seen, o, den,
+            T, H, G, D, m, Dv, NT,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=norm,
+            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+        ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0)
+        ctx.cfg, ctx.norm = cfg, norm
+        if final is None:
+            return o, None, None
+        ctx.mark_non_differentiable(*final)
+        return o, final[0], final[1]
+
+    @staticmethod
+    def backward(ctx, d_o, _d_s_final, _d_z_final):
+        q, k, v, p_q, p_k, o, den, s0, z0 = ctx.saved_tensors
+        cfg, norm = ctx.cfg, ctx.norm
+        B, T, H, D = q.shape
+        H_kv = k.shape[2]
+        G = H // H_kv
+        Dv, m = v.shape[3], p_q.shape[2]
+        d_o = d_o.contiguous()
+        states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False)  # recomputed
+        NT = states.shape[2]
+        if norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
+            r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
+            r = r.contiguous()
+        else:
+            r = den  # unused by the kernels
+        dstates = torch.empty_like(states)
+        dzs = torch.empty_like(zs)
+        asa_bwd_states_kernel[(triton.cdiv(Dv, cfg["BV_state"]), B * H)](
+            q, p_q, d_o, den, r, dstates, dzs,
+            T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
+            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], NORM=norm,
+            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+        # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
+        kv_grad_dtype = torch.float32 if G > 1 else k.dtype
+        dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
+        dv_h = torch.empty(B, T, H, Dv, dtype=kv_grad_dtype, device=q.device)
+        dlq = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
+        dlk = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
+        asa_bwd_chunk_kernel[(NT, B * H)](
+            q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
+            dq, dk_h, dv_h, dlq, dlk,
+            T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
+            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+        if G > 1:
+            dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
+            dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
+        else:
+            dk, dv = dk_h, dv_h
+        # dP = Σ_{b,t} xᵀ dℓ per head: one batched GEMM each, in fp32
+        dp_q = torch.einsum("bthd,bthm->hdm", q.float(), dlq).to(p_q.dtype)
+        dp_k = torch.einsum("btgd,btgjm->gjdm", k.float(),
+                            dlk.view(B, T, H_kv, G, m)).reshape(H, D, m).to(p_k.dtype)
+        return dq, dk, dv, dp_q, dp_k, None, None, None, None
+
+
+def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_state=None,
+                         output_final_state: bool = False):
+    """Causal ASA through the Triton kernels. Shapes as ``ops.asa_attention`` (checked there).
+
+    Returns o ``[B, T, H, Dv]`` (q.dtype), or ``(o, ASAState(S, z))`` when
+    ``output_final_state``; ``initial_state`` is an ``ASAState`` (fp32) or None.
+    """
+    from megatron_subq.ops.asa import ASAState  # noqa: PLC0415 (ops imports us lazily)
+
+    if normalize not in NORM_CODES:
+        raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
+                         f"{tuple(NORM_CODES)}")
+    s0 = z0 = None
+    if initial_state is not None:
+        s0, z0 = initial_state
+        if s0.dtype != torch.float32 or z0.dtype != torch.float32:
+            raise ValueError("asa_attention_kernel: initial_state must be float32 (S, z)")
+    o, s_t, z_t = ASAChunkFunction.apply(q, k, v, p_q, p_k, normalize, s0, z0,
+                                         bool(output_final_state))
+    if output_final_state:
+        return o, ASAState(s_t, z_t)
+    return o

@@ -1,0 +1,386 @@
+"""Superlinear multi-step attention, N=2 (superlinear-multi-step-attention.txt, variants.md).
+
+Per head, for query position i (0-based), with search power p, span power p_sp, factors b, f and
+window length w = floor((sw_index+1)^(1/p)) - 1:
+
+* candidate anchors  t_s = i - floor((s+1)^(1/p)) + 1  for s = 0, 1, ... while t_s >= 0, minus the
+  anchors inside the window W = [max(0, i-w+1), i] (W is empty when w = 0);
+* search scores      s_{i,t} = Q_s(i) . K(t)   (unscaled; K is the ordinary, RoPE'd key);
+* the top-k anchors by score; the gate alpha = softmax over the kept anchors' scores;
+* span of anchor t   S_t = [max(0, t - ceil(b*l(i))), min(i, t + ceil(f*l(i)))],  l(i) = ceil(i^p_sp);
+* A_{i,t}            = softmax attention of Q(i) (scale 1/sqrt(D)) over S_t u W, de-duplicated;
+* output             o_i = sum_t alpha_t A_{i,t};  with no anchor at all, attention over W.
+
+Every power is computed exactly in integer arithmetic (``ops.powers``); the factors b and f are
+taken as the rationals they stand for (``as_fraction``), so ceil(b*l) is exact too.
+
+Choices where the definition is silent (docs/variants.md):
+
+* Ties in top-k: among equal scores the nearer anchor (smaller s, larger t) wins. Implemented with
+  a stable descending sort over the candidates ordered by s.
+* Fewer than k candidate anchors: all of them are kept and the gate is a softmax over those.
+* The gate is the only path from the loss to Q_s (top-k is discrete); K receives gradients both
+  through the attention logits and through the search scores.
+
+Memory: the PyTorch reference works on chunks of ``query_chunk`` queries. For one chunk of C
+queries it materialises the search scores (C x #anchors), the gathered span keys/values
+(C x k x max span x D) and the window logits (C x (C + w)); with C = O(sqrt(L)) this is O(L*D) per
+head and chunk, never the L x L matrix. Under autograd each chunk is checkpointed (recomputed in
+backward), so training memory stays at one chunk too. ``superlinear_attention_dense`` is the
+O(L^2)-mask form of the same definition, written independently, for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .dispatch import check_qkv, choose_impl, repeat_kv
+from .powers import as_fraction, floor_power
+
+DEFAULT_QUERY_CHUNK = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# exact integer geometry: window, anchors, span extents
+# ---------------------------------------------------------------------------------------------
+def _inverse_power(search_power) -> Fraction:
+    return 1 / as_fraction(search_power)
+
+
+def superlinear_window(search_power: float, sw_index: int) -> int:
+    """w = floor((sw_index+1)^(1/p)) - 1 (0 for sw_index = 0: no window)."""
+    return floor_power(sw_index + 1, _inverse_power(search_power)) - 1
+
+
+def superlinear_anchors(position: int, search_power: float = 0.5, sw_index: int = 0) -> List[int]:
+    """The candidate anchors of query ``position``, nearest first (s = 0, 1, ...).
+
+    Written literally from the definition: every t_s >= 0, then those inside the window dropped.
+    ``superlinear_anchors(30, 0.5, 0) == [30, 27, 22, 15, 6]`` (the paper's Figure 3).
+    """
+    _check_knobs("superlinear_anchors", search_power, 0.5, 1, 0.0, 0.0, sw_index)
+    if not isinstance(position, int) or position < 0:
+        raise ValueError(f"superlinear_anchors: position={position!r} is invalid: allowed an "
+                         "integer >= 0")
+    inv = _inverse_power(search_power)
+    w = superlinear_window(search_power, sw_index)
+    window_lo = max(0, position - w + 1) if w > 0 else position + 1  # empty window when w = 0
+    anchors, s = [], 0
+    while (t := position - floor_power(s + 1, inv) + 1) >= 0:
+        if not window_lo <= t <= position:
+            anchors.append(t)
+        s += 1
+    return anchors
+
+
+def ceil_power(x: int, power) -> int:
+    """ceil(x ** power) exactly, for an integer x >= 0 and a rational power >= 0 (0**0 = 1)."""
+    f = as_fraction(power)
+    r = floor_power(x, f)
+    if f == 0 or r ** f.denominator == x ** f.numerator:
+        return r
+    return r + 1
+
+
+def ceil_times(factor, n: int) -> int:
+    """ceil(factor * n) exactly, with ``factor`` taken as the rational it stands for."""
+    return math.ceil(as_fraction(factor) * n)
+
+
+@lru_cache(maxsize=64)
+def anchor_offsets(T: int, search_power: float, sw_index: int) -> Tuple[int, ...]:
+    """The fixed stride pattern: candidate anchors of query i are i - d for d in the result.
+
+    d_s = floor((s+1)^(1/p)) - 1 for s >= sw_index (the anchors s < sw_index are exactly those
+    inside the window, because w = d_{sw_index}), up to the largest d_s <= T - 1. Anchor i - d_s is
+    a candidate of query i iff d_s <= i.
+    """
+    inv = _inverse_power(search_power)
+    offsets, s = [], sw_index
+    while (d := floor_power(s + 1, inv) - 1) <= T - 1:
+        offsets.append(d)
+        s += 1
+    return tuple(offsets)
+
+
+@lru_cache(maxsize=64)
+def _span_scale_table(T: int, span_power: float) -> Tuple[int, ...]:
+    """l(i) = ceil(i^p_sp) for i < T, without one big-integer power per position.
+
+    ceil(i^q) = min{r : floor(r^(1/q)) >= i}, so l is a step function whose steps sit at
+    c_r = floor(r^(1/q)), r = 0, 1, ...; only O(T^q) exact roots are needed.
+    """
+    q = as_fraction(span_power)
+    if q == 0:
+        return (1,) * T  # 0**0 = 1, as floor_power
+    steps, r = [], 0
+    while not steps or steps[-1] < T - 1:
+        steps.append(min(floor_power(r, 1 / q), T))  # capped: only steps below T matter
+        r += 1
+    table = torch.searchsorted(torch.tensor(steps), torch.arange(T), side="left")
+    return tuple(table.tolist())
+
+
+@dataclass(frozen=True)
+class SuperlinearPlan:
+    """Everything about the sparsity pattern that depends on positions only (not on content)."""
+
+    offsets: torch.Tensor  # [A] int64: candidate anchors of query i are i - offsets (where >= 0)
+    back: torch.Tensor  # [T] int64: ceil(b * l(i))
+    fwd: torch.Tensor  # [T] int64: ceil(f * l(i))
+    window: int  # w
+
+
+def superlinear_plan(T: int, search_power: float = 0.5, span_power: float = 0.5,
+                     backward_factor: float = 2.0, forward_factor: float = 0.0, sw_index: int = 0,
+                     device=None) -> SuperlinearPlan:
+    """Offsets, span extents and window length for sequences of length ``T``."""
+    scale = torch.tensor(_span_scale_table(T, span_power), dtype=torch.int64)
+
+    def ceil_factor(factor):  # ceil(factor * l) in integer arithmetic
+        f = as_fraction(factor)
+        return (scale * f.numerator + f.denominator - 1) // f.denominator
+
+    return SuperlinearPlan(
+        offsets=torch.tensor(anchor_offsets(T, search_power, sw_index), dtype=torch.int64,
+                             device=device),
+        back=ceil_factor(backward_factor).to(device),
+        fwd=ceil_factor(forward_factor).to(device),
+        window=superlinear_window(search_power, sw_index),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------
+def _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index):
+    def bad(name, value, allowed):
+        raise ValueError(f"{op}: {name}={value!r} is invalid: allowed {allowed}")
+
+    def number(x):
+        return isinstance(x, (int, float, Fraction)) and not isinstance(x, bool)
+
+    if not (number(search_power) and 0 < search_power <= 1):
+        bad("search_power", search_power, "a number in (0, 1]")
+    if not (number(span_power) and 0 <= span_power <= 1):
+        bad("span_power", span_power, "a number in [0, 1]")
+    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+        bad("topk", topk, "an integer >= 1")
+    if not (number(backward_factor) and backward_factor >= 0):
+        bad("backward_factor", backward_factor, "a number >= 0")
+    if not (number(forward_factor) and forward_factor >= 0):
+        bad("forward_factor", forward_factor, "a number >= 0")
+    if not isinstance(sw_index, int) or isinstance(sw_index, bool) or sw_index < 0:
+        bad("sw_index", sw_index, "an integer >= 0")
+
+
+def _check_inputs(op, q, q_s, k, v):
+    B, T, H, H_kv, D = check_qkv(op, q, k, v)
+    if not isinstance(q_s, torch.Tensor):
+        raise TypeError(f"{op}: q_s must be a torch.Tensor, got {type(q_s).__name__}")
+    if q_s.shape != q.shape:
+        raise ValueError(f"{op}: q_s must have the shape of q {tuple(q.shape)} (one search query "
+                         f"per query head), got {tuple(q_s.shape)}")
+    if q_s.dtype != q.dtype or q_s.device != q.device:
+        raise ValueError(f"{op}: q_s must share q's dtype and device, got {q_s.dtype} on "
+                         f"{q_s.device} vs {q.dtype} on {q.device}")
+    return B, T, H, H_kv, D
+
+
+# ---------------------------------------------------------------------------------------------
+# the chunked PyTorch reference
+# ---------------------------------------------------------------------------------------------
+def _select_anchors(scores: torch.Tensor, valid: torch.Tensor, topk: int):
+    """Top-k of ``scores`` [..., A] among ``valid`` candidates, ties to the lower column (nearer
+    anchor). Returns (kept columns [..., k'], their scores, kept-and-valid mask), k' = min(k, A)."""
+    neg = torch.finfo(scores.dtype).min
+    masked = scores.masked_fill(~valid, neg)
+    order = torch.sort(masked.detach(), dim=-1, descending=True, stable=True).indices
+    cols = order[..., :min(topk, scores.shape[-1])]
+    return cols, masked.gather(-1, cols), valid.gather(-1, cols)
+
+
+def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scale: float):
+    """Output of queries [i0, i0 + C) in the compute dtype. q, q_s: [B, C, H, D] (this chunk);
+    k, v: [B, T, H_kv, D] (the whole sequence, compute dtype). Returns [B, C, H, D]."""
+    B, C, H, D = q.shape
+    T, H_kv = k.shape[1], k.shape[2]
+    group = H // H_kv
+    dev = q.device
+    neg = torch.finfo(q.dtype).min
+    pos = torch.arange(i0, i0 + C, device=dev)  # [C] query positions
+
+    # -- span search: scores at the candidate anchors (a fixed stride pattern i - d) ------------
+    anchor = pos[:, None] - plan.offsets[None, :]  # [C, A]
+    anchor_valid = anchor >= 0
+    k_anchor = k[:, anchor.clamp(min=0)]  # [B, C, A, H_kv, D]
+    q_s_grouped = q_s.reshape(B, C, H_kv, group, D)  # query head h = kv_head * group + g
+    scores = torch.einsum("bckgd,bcakd->bckga", q_s_grouped, k_anchor).reshape(B, C, H, -1)
+    cols, top_scores, kept = _select_anchors(scores, anchor_valid[None, :, None, :].expand_as(
+        scores), topk)  # [B, C, H, k]
+    has_anchor = kept.any(dim=-1, keepdim=True)  # [B, C, H, 1]
+    # the gate: a softmax over the kept anchors (masked slots get weight 0; no NaN without anchors)
+    gate = torch.softmax(top_scores, dim=-1) * kept
+
+    # -- per-query intervals ----------------------------------------------------------------------
+    back, fwd = plan.back[pos], plan.fwd[pos]  # [C]
+    w = plan.window
+    win_lo = (pos - w + 1).clamp(min=0) if w > 0 else pos + 1  # W = [win_lo, i] (empty if w = 0)
+    t = pos[None, :, None, None] - plan.offsets[cols]  # [B, C, H, k] kept anchors
+    span_lo = (t - back[None, :, None, None]).clamp(min=0)
+    # keys of the span that are not in the window (the union is de-duplicated)
+    span_hi = torch.minimum(t + fwd[None, :, None, None], pos[None, :, None, None])
+    span_hi = torch.minimum(span_hi, win_lo[None, :, None, None] - 1)
+
+    # -- span keys, gathered per (query, head, slot) ---------------------------------------------
+    span_len = int((plan.back[pos] + plan.fwd[pos]).max().item()) + 1
+    idx = span_lo[..., None] + torch.arange(span_len, device=dev)  # [B, C, H, k, J]
+    span_valid = (idx <= span_hi[..., None]) & kept[..., None]
+    idx = idx.clamp(max=T - 1)
+    kv_head = torch.arange(H, device=dev) // group  # [H]
+    flat = (idx * H_kv + kv_head[None, None, :, None, None]).reshape(B, -1)  # rows of [T*H_kv, D]
+    k_span = k.reshape(B, T * H_kv, D).gather(1, flat[..., None].expand(-1, -1, D))
+    v_span = v.reshape(B, T * H_kv, D).gather(1, flat[..., None].expand(-1, -1, D))
+    k_span = k_span.reshape(*idx.shape, D)
+    v_span = v_span.reshape(*idx.shape, D)
+    span_logits = torch.einsum("bchd,bchkjd->bchkj", q, k_span) * scale
+    span_logits = span_logits.masked_fill(~span_valid, neg)
+
+    # -- window keys: one contiguous slab for the whole chunk --------------------------------------
+    slab_lo = max(0, i0 - w + 1) if w > 0 else i0
+    slab = torch.arange(slab_lo, i0 + C, device=dev)  # [S]
+    win_valid = (slab[None, :] >= win_lo[:, None]) & (slab[None, :] <= pos[:, None])  # [C, S]
+    k_win = repeat_kv(k[:, slab_lo:i0 + C], H)  # [B, S, H, D]
+    v_win = repeat_kv(v[:, slab_lo:i0 + C], H)
+    win_logits = torch.einsum("bchd,bshd->bchs", q, k_win) * scale
+    win_logits = win_logits.masked_fill(~win_valid[None, :, None, :], neg)  # [B, C, H, S]
+
+    # -- A_{i,t}: softmax over span(t) u W, then the gated mixture ----------------------------------
+    k_slots = cols.shape[-1]
+    logits = torch.cat([span_logits, win_logits[:, :, :, None, :].expand(-1, -1, -1, k_slots, -1)],
+                       dim=-1)  # [B, C, H, k, J + S]
+    probs = torch.softmax(logits, dim=-1)
+    p_span, p_win = probs[..., :span_len], probs[..., span_len:]
+    per_anchor = (torch.einsum("bchkj,bchkjd->bchkd", p_span, v_span)
+                  + torch.einsum("bchks,bshd->bchkd", p_win, v_win))  # A_{i,t}: [B, C, H, k, D]
+    mixed = torch.einsum("bchk,bchkd->bchd", gate, per_anchor)
+    window_only = torch.einsum("bchs,bshd->bchd", torch.softmax(win_logits, dim=-1), v_win)
+    return torch.where(has_anchor, mixed, window_only)
+
+
+def superlinear_attention_reference(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
+                                    backward_factor=2.0, forward_factor=0.0, sw_index=0,
+                                    query_chunk: Optional[int] = None):
+    """The definition in PyTorch, chunked over queries (see the module docstring for memory).
+
+    Computes in float32 (float64 inputs stay float64) and returns q's dtype.
+    """
+    op = "superlinear_attention"
+    B, T, H, H_kv, D = _check_inputs(op, q, q_s, k, v)
+    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
+    chunk = DEFAULT_QUERY_CHUNK if query_chunk is None else query_chunk
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"{op}: query_chunk={query_chunk!r} is invalid: allowed an integer >= 1")
+    plan = superlinear_plan(T, search_power, span_power, backward_factor, forward_factor,
+                            sw_index, device=q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qc, qsc, kc, vc = (x.to(dtype) for x in (q, q_s, k, v))
+    scale = 1.0 / math.sqrt(D)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, q_s, k, v))
+    outs = []
+    for i0 in range(0, T, chunk):
+        i1 = min(T, i0 + chunk)
+        args = (qc[:, i0:i1], qsc[:, i0:i1], kc, vc, i0, plan, topk, scale)
+        if needs_grad:  # recompute the chunk in backward instead of keeping its gathers alive
+            outs.append(checkpoint(_chunk_forward, *args, use_reentrant=False))
+        else:
+            outs.append(_chunk_forward(*args))
+    return torch.cat(outs, dim=1).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the O(L^2)-mask form (tests): same definition, written independently
+# ---------------------------------------------------------------------------------------------
+def superlinear_attention_dense(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
+                                backward_factor=2.0, forward_factor=0.0, sw_index=0):
+    """Full [T, T] score matrices and masks built position by position from the scalar helpers
+    (``superlinear_anchors``, ``ceil_power``, ``ceil_times``). For tests on small T."""
+    op = "superlinear_attention_dense"
+    B, T, H, H_kv, D = _check_inputs(op, q, q_s, k, v)
+    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qf, qsf = q.to(dtype), q_s.to(dtype)
+    kf, vf = repeat_kv(k, H).to(dtype), repeat_kv(v, H).to(dtype)
+    w = superlinear_window(search_power, sw_index)
+
+    candidate = torch.zeros(T, T, dtype=torch.bool)  # [i, t]
+    window = torch.zeros(T, T, dtype=torch.bool)  # [i, j]
+    back, fwd = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
+    for i in range(T):
+        candidate[i, superlinear_anchors(i, search_power, sw_index)] = True
+        if w > 0:
+            window[i, max(0, i - w + 1):i + 1] = True
+        scale_i = ceil_power(i, span_power)
+        back[i], fwd[i] = ceil_times(backward_factor, scale_i), ceil_times(forward_factor, scale_i)
+    candidate, window = candidate.to(q.device), window.to(q.device)
+    back, fwd = back.to(q.device), fwd.to(q.device)
+
+    search = torch.einsum("bihd,bthd->bhit", qsf, kf)  # [B, H, i, t]
+    # ties go to the nearer anchor (larger t): a stable sort over t in decreasing order
+    neg = torch.finfo(dtype).min
+    flipped = search.masked_fill(~candidate, neg).flip(-1)
+    order = torch.sort(flipped.detach(), dim=-1, descending=True, stable=True).indices
+    order = order[..., :min(topk, T)]
+    t_kept = T - 1 - order  # [B, H, T, k]
+    kept = candidate.expand(B, H, T, T).gather(-1, t_kept)
+    gate = torch.softmax(search.masked_fill(~candidate, neg).gather(-1, t_kept), dim=-1) * kept
+
+    i = torch.arange(T, device=q.device)[:, None]  # [T, 1]
+    j = torch.arange(T, device=q.device)
+    lo = (t_kept - back[:, None]).clamp(min=0)[..., None]  # [B, H, T, k, 1]
+    hi = torch.minimum(t_kept + fwd[:, None], i)[..., None]
+    attend = ((j >= lo) & (j <= hi)) | window[:, None, :]  # [B, H, T, k, T]
+    logits = torch.einsum("bihd,bjhd->bhij", qf, kf) / math.sqrt(D)
+    per_anchor = torch.softmax(torch.where(attend, logits[:, :, :, None, :], neg), dim=-1)
+    mixed = torch.einsum("bhik,bhikj,bjhd->bihd", gate, per_anchor, vf)
+    window_only = torch.einsum("bhij,bjhd->bihd",
+                               torch.softmax(logits.masked_fill(~window, neg), dim=-1), vf)
+    has_anchor = kept.any(-1).transpose(1, 2)[..., None]  # [B, T, H, 1]
+    return torch.where(has_anchor, mixed, window_only).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# the op
+# ---------------------------------------------------------------------------------------------
+def _kernel():
+    try:
+        from ..kernels.superlinear import superlinear_attention_kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return superlinear_attention_kernel
+
+
+def superlinear_attention(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
+                          backward_factor=2.0, forward_factor=0.0, sw_index=0, impl=None):
+    """Superlinear attention (N=2). q, q_s: [B, T, H, D]; k, v: [B, T, H_kv, D], H % H_kv == 0.
+
+    Returns [B, T, H, D] in q's dtype. Knobs as ``SubqTransformerConfig.superlinear_*``; the op
+    does not insist on random context access (the config does).
+    """
+    op = "superlinear_attention"
+    _check_inputs(op, q, q_s, k, v)
+    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
+    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
+                 backward_factor=backward_factor, forward_factor=forward_factor,
+                 sw_index=sw_index)
+    kernel = _kernel()
+    if choose_impl(op, impl, (q, q_s, k, v), kernel) == "kernel":
+        return kernel(q, q_s, k, v, **knobs)
+    return superlinear_attention_reference(q, q_s, k, v, **knobs)

@@ -1,0 +1,573 @@
+"""The trainer's command line: Megatron-LM's ``pretrain_gpt.py`` flags + every variant knob.
+
+    args = parse_args(["--num-layers", "2", ...])          # argv list, or sys.argv[1:] if None
+
+* Flags and meanings follow Megatron-LM where it has them (``--num-layers``, ``--seq-length``,
+  ``--tensor-model-parallel-size``, ``--lr-decay-style``, ...).
+* ``--attention-variant``, ``--layer-pattern`` and every variant knob are generated from
+  ``SubqTransformerConfig``'s own dataclass fields (their docstrings are the help text), so a knob
+  added to the config is a flag at once and the two never drift apart.
+* ``--config FILE`` (YAML or JSON) may set any flag, keyed by the flag's name (dashes or
+  underscores); the command line overrides it. Config values are turned into flag tokens placed
+  before the command line, so argparse checks them exactly like typed flags.
+* Wrong or conflicting flags fail at start-up through ``parser.error``: the usage line and a
+  message naming the flag, exit status 2.
+
+Booleans accept ``--flag`` and ``--no-flag`` (so a config file's ``true`` can be undone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import sys
+import typing
+from typing import Dict, List, Optional, Sequence
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..config import SubqTransformerConfig
+
+TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+
+# SubqTransformerConfig fields that are flags of their own below, or resolved, not set.
+_HAND_WRITTEN_VARIANT_FIELDS = ("attention_variant", "layer_pattern")
+
+
+def _bool_flag(group, name: str, default: bool, help: str) -> None:
+    group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+# ----------------------------------------------------------------------------------------------
+# variant knobs, generated from the dataclass
+# ----------------------------------------------------------------------------------------------
+def _field_docs(cls) -> Dict[str, str]:
+    """Attribute docstrings (the string literal right after ``name: type = default``)."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):  # source not available (zipped install): no help text
+        return {}
+    docs: Dict[str, str] = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def variant_fields() -> List[dataclasses.Field]:
+    """The knobs SubqTransformerConfig adds to megatron's TransformerConfig (init fields only)."""
+    base = {f.name for f in dataclasses.fields(TransformerConfig)}
+    return [f for f in dataclasses.fields(SubqTransformerConfig)
+            if f.init and f.name not in base]
+
+
+def _resolve_type(f: dataclasses.Field):
+    """(scalar type, is_optional) of a field annotation such as ``Optional[int]``."""
+    ann = f.type
+    if isinstance(ann, str):
+        namespace = dict(vars(sys.modules[SubqTransformerConfig.__module__]))
+        namespace.update(vars(typing))
+        ann = eval(ann, namespace)  # noqa: S307 - our own dataclass's annotation
+    optional = False
+    origin = typing.get_origin(ann)
+    if origin is typing.Union:
+        members = [a for a in typing.get_args(ann) if a is not type(None)]
+        optional = len(members) < len(typing.get_args(ann))
+        scalars = [a for a in members if a in (int, float, str, bool)]
+        ann = scalars[0] if scalars else str  # Union[str, List[str]] -> str (comma lists)
+    if ann not in (int, float, str, bool):
+        ann = str
+    return ann, optional
+
+
+def _number(kind):
+    def convert(text: str):
+        if text.lower() in ("none", "null"):
+            return None
+        return kind(text)
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..variants import VARIANTS  # noqa: PLC0415
+
+    docs = _field_docs(SubqTransformerConfig)
+    group = parser.add_argument_group(
+        "attention variant", "which attention each layer uses, and every variant's knobs "
+        "(generated from SubqTransformerConfig; see docs/variants.md)")
+    group.add_argument("--attention-variant", default="standard", choices=sorted(VARIANTS),
+                       help=docs.get("attention_variant"))
+    group.add_argument("--layer-pattern", default=None,
+                       help=(docs.get("layer_pattern", "") + " A comma-separated list gives each "
+                             "layer's variant."))
+    for f in variant_fields():
+        if f.name in _HAND_WRITTEN_VARIANT_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind, optional = _resolve_type(f)
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = docs.get(f.name, "")
+        if kind is bool:
+            _bool_flag(group, flag, bool(default), help_text)
+        elif f.name == "subq_impl":
+            group.add_argument(flag, default=default, choices=("reference", "kernel"),
+                               help=help_text)
+        elif kind in (int, float):
+            group.add_argument(flag, type=_number(kind) if optional else kind, default=default,
+                               metavar=kind.__name__.upper(), help=f"{help_text} (default "
+                               f"{default})")
+        else:
+            group.add_argument(flag, type=str, default=default, help=help_text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Megatron-LM's flags
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        usage="torchrun --nproc-per-node N %(prog)s [--config FILE] [flags]",
+        description="Pretrain a GPT whose attention layers are megatron_subq variants, with "
+                    "Megatron-LM's flags (torchrun --nproc-per-node N examples/pretrain_gpt.py ...).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="YAML or JSON file setting any flag by name; the command line overrides it")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default: 4*hidden, or int(8*hidden/3) rounded down to a multiple of 64 "
+                        "(at least 64) with SwiGLU, as Megatron-LM")
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    _bool_flag(g, "--group-query-attention", False,
+               "use --num-query-groups key/value heads (implied by --num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="head dim; default hidden/heads")
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default --seq-length")
+    g.add_argument("--position-embedding-type", default="rope",
+                   choices=("rope", "learned_absolute", "none"))
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    _bool_flag(g, "--swiglu", True, "SwiGLU MLP (Transformer++); --no-swiglu for GeLU")
+    _bool_flag(g, "--add-bias-linear", False, "biases in linear layers (Megatron-LM's "
+               "--disable-bias-linear is the default here)")
+    _bool_flag(g, "--untie-embeddings-and-output-weights", True,
+               "separate output layer (Transformer++); --no-untie-... ties them")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    _bool_flag(g, "--use-cpu-initialization", False,
+               "initialise full weights on the CPU then split (TP=N starts like TP=1); always on "
+               "without CUDA")
+
+    add_variant_arguments(p)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default micro-batch-size * data-parallel size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    _bool_flag(g, "--skip-train", False, "no training: load, evaluate on the validation set, exit")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, if --save) when the iteration is a multiple of this")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
+    _bool_flag(g, "--recompute-activations", False, "= --recompute-granularity selective")
+    g.add_argument("--recompute-method", default=None, choices=("uniform", "block"))
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    _bool_flag(g, "--check-for-nan-in-loss-and-grad", True,
+               "fail on a NaN gradient in the gradient all-reduce")
+
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=LR_DECAY_STYLES)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+
+    g = p.add_argument_group("optimizer and regularization")
+    g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant",
+                   choices=("constant", "linear", "cosine"))
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+    g = p.add_argument_group("mixed precision")
+    _bool_flag(g, "--bf16", False, "bf16 weights and activations, fp32 main params/grads")
+    _bool_flag(g, "--fp16", False, "fp16 with dynamic loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None, help="fixed fp16 loss scale")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    _bool_flag(g, "--accumulate-allreduce-grads-in-fp32", False,
+               "fp32 gradient buffers (always on with --bf16, as Megatron-LM)")
+
+    g = p.add_argument_group("distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    _bool_flag(g, "--sequence-parallel", False, "shard activations along the sequence over TP")
+    _bool_flag(g, "--use-distributed-optimizer", False, "shard optimizer state over DP")
+    _bool_flag(g, "--overlap-grad-reduce", False, "overlap DP gradient reduction with backward")
+    _bool_flag(g, "--overlap-param-gather", False,
+               "overlap the distributed optimizer's parameter all-gather with forward")
+    g.add_argument("--distributed-backend", default=None, choices=("nccl", "gloo"),
+                   help="default nccl with CUDA, gloo without")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefixes (PATH_text_document), optionally weighted: "
+                        "'0.3 A 0.7 B'")
+    g.add_argument("--split", default="969,30,1",
+                   help="train,valid,test weights of the --data-path documents")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    _bool_flag(g, "--mock-data", False, "random tokens instead of --data-path")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where GPTDataset index files are cached (default beside the data)")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
+    g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD")
+    _bool_flag(g, "--reset-attention-mask", False, "(not supported: variants are causal over "
+               "the whole sequence)")
+    _bool_flag(g, "--eod-mask-loss", False, "no loss on predicting the token after an EOD")
+
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="SentencePiece .model file, HuggingFace tokenizer.json (or its folder), "
+                        "or 'mistral': the Mistral 7B SentencePiece model shipped inside the "
+                        "mistral-common package (never downloaded)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint folder to save to")
+    g.add_argument("--load", default=None, help="checkpoint folder to resume from")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist",))
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration instead of the tracker file's")
+    _bool_flag(g, "--save-optim", True, "save optimizer + scheduler state (Megatron-LM: "
+               "--no-save-optim)")
+    _bool_flag(g, "--save-rng", True, "save RNG state")
+    _bool_flag(g, "--load-optim", True, "load optimizer + scheduler state")
+    _bool_flag(g, "--load-rng", True, "load RNG state")
+    _bool_flag(g, "--finetune", False, "load weights only; iteration and data restart from 0")
+    _bool_flag(g, "--exit-on-missing-checkpoint", False,
+               "fail when --load has no checkpoint instead of starting from scratch")
+
+    g = p.add_argument_group("logging and validation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--metrics-file", default=None,
+                   help="JSON lines with every iteration's exact loss, grad norm, lr and each "
+                        "validation (written by the last rank)")
+    g.add_argument("--peak-tflops-per-gpu", type=float, default=None,
+                   help="peak dense TFLOP/s of one accelerator for MFU (default: known GPUs' "
+                        "bf16 dense peak; no MFU on the CPU)")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# --config FILE
+# ----------------------------------------------------------------------------------------------
+def _load_config_file(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(path)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json"):
+        data = json.loads(text)
+    else:
+        import yaml  # noqa: PLC0415
+
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError("the top level must be a mapping of flag names to values")
+    return data
+
+
+def config_to_argv(parser: argparse.ArgumentParser, data: dict, path: str) -> List[str]:
+    """Flag tokens that set what the config file sets (argparse then checks them)."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    tokens: List[str] = []
+    for key, value in data.items():
+        dest = str(key).lstrip("-").replace("-", "_")
+        if dest == "config" or dest not in actions:
+            parser.error(f"--config {path}: unknown key {key!r} (there is no flag "
+                         f"--{dest.replace('_', '-')})")
+        action = actions[dest]
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: {key} must be true or false, got {value!r}")
+            tokens.append(flag if value else "--no-" + dest.replace("_", "-"))
+        elif value is None:
+            continue
+        elif action.nargs in ("*", "+"):
+            values = value if isinstance(value, list) else str(value).split()
+            tokens += [flag] + [str(v) for v in values]
+        else:
+            if isinstance(value, list):  # e.g. layer_pattern as a YAML list
+                value = ",".join(str(v) for v in value)
+            tokens += [flag, str(value)]
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# checks and derived values
+# ----------------------------------------------------------------------------------------------
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _require(parser, args, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            parser.error(f"--{name.replace('_', '-')} is required")
+
+
+def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                  world_size: Optional[int] = None) -> argparse.Namespace:
+    """Megatron-LM's start-up checks and derived defaults; every failure names its flag."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    _require(parser, args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+             "micro_batch_size")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.eval_iters < 0:
+        parser.error(f"--eval-iters={args.eval_iters} must be >= 0")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        parser.error(f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} "
+                     f"does not divide the world size {world_size}")
+    args.world_size = world_size
+    args.data_parallel_size = world_size // (tp * pp)
+
+    if args.hidden_size % args.num_attention_heads:
+        parser.error(f"--hidden-size={args.hidden_size} is not divisible by "
+                     f"--num-attention-heads={args.num_attention_heads}")
+    if args.num_attention_heads % tp:
+        parser.error(f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+                     f"--tensor-model-parallel-size={tp}")
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    else:
+        args.group_query_attention = True
+    if args.num_attention_heads % args.num_query_groups:
+        parser.error(f"--num-attention-heads={args.num_attention_heads} is not divisible by "
+                     f"--num-query-groups={args.num_query_groups}")
+    if args.num_query_groups % tp:
+        parser.error(f"--num-query-groups={args.num_query_groups} is not divisible by "
+                     f"--tensor-model-parallel-size={tp}")
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        parser.error(f"--seq-length={args.seq_length} exceeds --max-position-embeddings="
+                     f"{args.max_position_embeddings}")
+    if pp > 1 and args.decoder_first_pipeline_num_layers is None and \
+            args.decoder_last_pipeline_num_layers is None and args.num_layers % pp:
+        parser.error(f"--num-layers={args.num_layers} is not divisible by "
+                     f"--pipeline-model-parallel-size={pp} (or set "
+                     "--decoder-first/last-pipeline-num-layers)")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to shard over
+    if args.sequence_parallel and args.seq_length % tp:
+        parser.error(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by "
+                     f"--tensor-model-parallel-size={tp}")
+    if args.reset_attention_mask:
+        parser.error("--reset-attention-mask is not supported: every variant is causal over the "
+                     "whole sequence and reads no attention mask")
+
+    # batch sizes
+    dp = args.data_parallel_size
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        parser.error(f"--global-batch-size={args.global_batch_size} is not divisible by "
+                     f"--micro-batch-size={args.micro_batch_size} x data-parallel size {dp}")
+    if pp > 1 and args.global_batch_size // (args.micro_batch_size * dp) < pp:
+        print(f"note: {args.global_batch_size // (args.micro_batch_size * dp)} micro-batches "
+              f"per step for {pp} pipeline stages: the pipeline is mostly bubble", flush=True)
+
+    # iterations
+    if not args.skip_train:
+        if (args.train_iters is None) == (args.train_samples is None):
+            parser.error("give exactly one of --train-iters and --train-samples")
+        if args.train_iters is not None and args.train_iters < 1:
+            parser.error(f"--train-iters={args.train_iters} must be >= 1")
+    if args.train_samples is not None:
+        args.train_iters = args.train_samples // args.global_batch_size
+    if args.lr is None and not args.skip_train:
+        parser.error("--lr is required")
+    if args.lr is None:
+        args.lr = 0.0
+    if args.min_lr > args.lr:
+        parser.error(f"--min-lr={args.min_lr} exceeds --lr={args.lr}")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        parser.error("--lr-warmup-fraction conflicts with --lr-warmup-iters/--lr-warmup-samples")
+    if args.lr_warmup_iters and args.lr_warmup_samples:
+        parser.error("--lr-warmup-iters conflicts with --lr-warmup-samples")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and \
+            args.lr_wsd_decay_samples is None:
+        parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+
+    # precision
+    if args.bf16 and args.fp16:
+        parser.error("--bf16 conflicts with --fp16")
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            parser.error("--recompute-activations (selective) conflicts with "
+                         "--recompute-granularity full")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        args.recompute_method = "uniform"
+    if args.recompute_granularity == "full" and args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+
+    # data and tokenizer
+    has_paths = bool(args.data_path) or bool(args.train_data_path)
+    if args.mock_data and has_paths:
+        parser.error("--mock-data conflicts with --data-path/--train-data-path")
+    if not args.mock_data and not has_paths:
+        parser.error("give --data-path (or --train-data-path) or --mock-data")
+    if args.data_path and (args.train_data_path or args.valid_data_path or args.test_data_path):
+        parser.error("--data-path conflicts with --train/valid/test-data-path")
+    for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, name):
+            parse_blend(parser, getattr(args, name), "--" + name.replace("_", "-"))
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data and args.vocab_size else None
+    if args.tokenizer_type is None:
+        parser.error("--tokenizer-type is required (NullTokenizer with --vocab-size for mock "
+                     "data)")
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            parser.error("--tokenizer-type NullTokenizer needs --vocab-size")
+    elif args.tokenizer_model is None:
+        parser.error(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+
+    # checkpoints and logging
+    if args.save_interval is not None and args.save is None:
+        parser.error("--save-interval needs --save")
+    if args.save is not None and args.save_interval is None:
+        args.save_interval = args.train_iters or 1
+    if args.skip_train and args.load is None:
+        parser.error("--skip-train needs --load (there is nothing to evaluate)")
+    if args.ckpt_step is not None and args.load is None:
+        parser.error("--ckpt-step needs --load")
+    if args.distributed_backend is None:
+        import torch  # noqa: PLC0415
+
+        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return args
+
+
+def parse_blend(parser, tokens: Sequence[str], flag: str):
+    """Megatron's blend syntax: 'A B' (weights from sizes) or '0.3 A 0.7 B' -> (paths, weights)."""
+    tokens = list(tokens)
+
+    def is_number(text):
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if len(tokens) > 1 and is_number(tokens[0]):
+        if len(tokens) % 2 or not all(is_number(t) for t in tokens[::2]):
+            parser.error(f"{flag}: weighted blends alternate weight and path: '0.3 A 0.7 B'")
+        weights = [float(t) for t in tokens[::2]]
+        if any(w < 0 for w in weights) or sum(weights) <= 0:
+            parser.error(f"{flag}: blend weights must be >= 0 and not all 0")
+        return tokens[1::2], weights
+    if any(is_number(t) for t in tokens):
+        parser.error(f"{flag}: give a weight before every path, or none")
+    return tokens, None
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               world_size: Optional[int] = None) -> argparse.Namespace:
+    """Parse (config file, then command line) and validate. Exits with status 2 on bad flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.config is not None:
+        try:
+            data = _load_config_file(known.config)
+        except Exception as e:  # noqa: BLE001 - any read/parse problem is a start-up error
+            parser.error(f"--config {known.config}: {type(e).__name__}: {e}")
+        argv = config_to_argv(parser, data, known.config) + argv
+    args = parser.parse_args(argv)
+    args = validate_args(parser, args, world_size)
+    args._parser = parser  # for errors found later (model config) to name their flag
+    return args
+
+
+def fail(args: argparse.Namespace, message: str) -> None:
+    """A start-up error found after parsing (e.g. by the model config): usage + message, exit 2."""
+    parser = getattr(args, "_parser", None) or build_parser()
+    parser.error(message)
+
+
+def flag_for_field(name: str) -> str:
+    return "--" + name.replace("_", "-")

@@ -1,0 +1,256 @@
+"""Checkpoints: megatron-core ``dist_checkpointing`` (torch_dist) with everything a run needs to
+resume exactly, laid out as Megatron-LM does::
+
+    SAVE/latest_checkpointed_iteration.txt     the tracker: the last *complete* checkpoint
+    SAVE/iter_0000020/                         one dist_checkpointing folder per save
+
+What is saved: the model's sharded state dict, the optimizer's (main params and moments; the
+distributed optimizer in its model-space format, so it reshards), the LR/WD scheduler, the
+iteration, ``consumed_train_samples`` (the data iterator's whole state, see ``data.py``), the
+FLOP count so far, the arguments, and every RNG (Python, NumPy, torch CPU/CUDA and megatron's
+model-parallel tracker) per (PP, TP) rank.
+
+A save is committed in three steps, so that an interrupted save never hides the previous
+checkpoint: (1) all ranks write into ``iter_N.partial`` (a leftover from an earlier interrupted
+save is removed first), (2) once every rank has finished, rank 0 renames it to ``iter_N``,
+(3) rank 0 replaces the tracker atomically (write a temporary file, fsync, ``os.replace``).
+Loading reads the tracker, so a crash at any point resumes from the last complete save.
+
+Loading at another TP/PP size reshards the model and optimizer (dist_checkpointing matches
+tensors by global shape and offset); the RNG states, which belong to (PP, TP) ranks, are then
+not restored.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
+from megatron.core.dist_checkpointing.validation import StrictHandling
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration of the last complete checkpoint under ``root``, or None."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read().strip()
+    try:
+        return int(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from e
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Atomically point the tracker at ``iteration`` (readers see the old or the new value)."""
+    path = os.path.join(root, TRACKER)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:  # make the rename itself durable
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside megatron's DDP and Float16Module wrappers."""
+    from megatron.core.distributed import DistributedDataParallel  # noqa: PLC0415
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+
+    while isinstance(module, (DistributedDataParallel, Float16Module)):
+        module = module.module
+    return module
+
+
+def _rng_state() -> ShardedObject:
+    state = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = (parallel_state.get_pipeline_model_parallel_world_size(),
+              parallel_state.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", [state], (pp, tp),
+                         (parallel_state.get_pipeline_model_parallel_rank(),
+                          parallel_state.get_tensor_model_parallel_rank()),
+                         replica_id=parallel_state.get_data_parallel_rank(
+                             with_context_parallel=True))
+
+
+def _restore_rng(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state.get("cuda_rng_state") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _saved_args(args) -> dict:
+    """The arguments as plain values (for --load checks and tools/evaluate.py)."""
+    out = {}
+    for k, v in vars(args).items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, (str, int, float, bool, type(None))) or (
+                isinstance(v, (list, tuple)) and all(isinstance(x, (str, int, float)) for x in v)):
+            out[k] = v
+    return out
+
+
+def _state_dict(model, optimizer, scheduler, with_optimizer: bool, with_rng: bool,
+                is_loading: bool) -> dict:
+    state = {}
+    for i, chunk in enumerate(model):
+        state["model" if len(model) == 1 else f"model{i}"] = unwrap(chunk).sharded_state_dict()
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                          metadata=OPTIMIZER_METADATA)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_state()
+    return state
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(args, iteration: int, model, optimizer, scheduler, consumed_train_samples: int,
+                    flops_so_far: float = 0.0, log=print) -> str:
+    """Write ``iter_<iteration>`` and then point the tracker at it. Returns the folder."""
+    root = args.save
+    final = checkpoint_dir(root, iteration)
+    partial = final + ".partial"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    start = time.perf_counter()
+    if read_tracker(root) == iteration and os.path.isdir(final):
+        log(f"checkpoint of iteration {iteration} already saved in {final}")
+        return final
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for stale in (partial, final):  # leftovers of an interrupted save of this iteration
+            if os.path.exists(stale):
+                shutil.rmtree(stale)
+        os.makedirs(partial)
+    _barrier()
+    state = _state_dict(model, optimizer, scheduler, with_optimizer=args.save_optim,
+                        with_rng=args.save_rng, is_loading=False)
+    state.update(args=_saved_args(args), checkpoint_version=CHECKPOINT_VERSION,
+                 iteration=iteration, consumed_train_samples=consumed_train_samples,
+                 num_floating_point_operations_so_far=flops_so_far)
+    dist_checkpointing.save(state, partial, get_default_save_sharded_strategy(args.ckpt_format),
+                            validate_access_integrity=True)
+    _barrier()  # every rank's shards are on disk
+    if rank == 0:
+        os.rename(partial, final)
+        write_tracker(root, iteration)
+    _barrier()
+    log(f"saved checkpoint at iteration {iteration:7d} to {final} "
+        f"({time.perf_counter() - start:.1f} s)")
+    return final
+
+
+def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, int, float]:
+    """Load ``--load`` (the tracker's iteration, or ``--ckpt-step``) into model, optimizer,
+    scheduler and RNGs. Returns (iteration, consumed_train_samples, flops_so_far); (0, 0, 0)
+    when there is no checkpoint yet."""
+    root = args.load
+    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(root)
+    if iteration is None:
+        if args.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"--load {root}: no {TRACKER} (no complete checkpoint)")
+        log(f"no checkpoint in --load {root}: starting from scratch")
+        return 0, 0, 0.0
+    folder = checkpoint_dir(root, iteration)
+    if not os.path.isdir(folder):
+        flag = "--ckpt-step" if args.ckpt_step is not None else f"--load ({TRACKER})"
+        raise FileNotFoundError(f"{flag}: checkpoint folder {folder} does not exist")
+    common = dist_checkpointing.load_common_state_dict(folder)
+    saved = common.get("args", {})
+    saved_layout = (saved.get("tensor_model_parallel_size"),
+                    saved.get("pipeline_model_parallel_size"))
+    layout = (parallel_state.get_tensor_model_parallel_world_size(),
+              parallel_state.get_pipeline_model_parallel_world_size())
+    resharding = saved_layout != layout
+    has_optimizer = "opt_param_scheduler" in common
+    load_optim = (optimizer is not None and args.load_optim and not args.finetune
+                  and has_optimizer)
+    load_rng = args.load_rng and not args.finetune and not resharding and "rng_state" in \
+        _sharded_keys(folder)
+    if resharding:
+        log(f"resharding checkpoint from (TP, PP)={saved_layout} to {layout}; RNG states are not "
+            "restored")
+    request = _state_dict(model, optimizer, scheduler, with_optimizer=load_optim,
+                          with_rng=load_rng, is_loading=True)
+    state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
+                                    strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    for i, chunk in enumerate(model):
+        key = "model" if len(model) == 1 else f"model{i}"
+        missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {folder} does not match the model: missing={missing} "
+                               f"unexpected={unexpected}")
+    if load_optim:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()  # fp32 main params from the loaded weights
+    if load_rng:
+        _restore_rng(state["rng_state"][0])
+    _barrier()
+    if args.finetune:
+        log(f"loaded weights of iteration {iteration} from {folder} (--finetune: iteration 0)")
+        return 0, 0, 0.0
+    log(f"loaded checkpoint at iteration {iteration} from {folder}")
+    return (iteration, int(common.get("consumed_train_samples", 0)),
+            float(common.get("num_floating_point_operations_so_far", 0.0)))
+
+
+def _sharded_keys(folder: str) -> set:
+    try:
+        return {k.split(".")[0] for k in dist_checkpointing.load_sharded_metadata(folder)}
+    except Exception:  # noqa: BLE001 - older formats: assume present
+        return {"rng_state"}
+
+
+def saved_args(folder_or_root: str, iteration: Optional[int] = None) -> dict:
+    """The arguments stored in a checkpoint (a ``--load`` root or an ``iter_*`` folder)."""
+    folder = folder_or_root
+    if os.path.isfile(os.path.join(folder_or_root, TRACKER)) or iteration is not None:
+        it = iteration if iteration is not None else read_tracker(folder_or_root)
+        folder = checkpoint_dir(folder_or_root, it)
+    return dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))

@@ -1,0 +1,458 @@
+"""A lean Megatron-LM-style pretraining loop on megatron-core's building blocks.
+
+``pretrain(argv)`` = parse flags -> initialise torch.distributed and megatron's parallel state ->
+build the GPT (``megatron_subq.build_gpt_model``), wrap it in megatron's ``Float16Module`` (bf16 /
+fp16) and ``DistributedDataParallel`` -> ``get_megatron_optimizer`` (optionally the distributed
+optimizer) and ``OptimizerParamScheduler`` -> ``--load`` -> GPTDataset iterators -> the loop of
+``get_forward_backward_func()`` steps (pipeline schedules, microbatches from
+``num_microbatches_calculator``), logging, validation and ``--save``. It can be called several
+times in one process (tests do): it tears down what it set up.
+
+Without CUDA it runs on the CPU with gloo (``install_cpu_fallbacks``): that is what CI runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import sys
+import time
+from functools import partial
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import arguments
+from .checkpointing import load_checkpoint, save_checkpoint, unwrap
+from .data import build_datasets, make_loader, to_device
+from .flops import flops_per_iteration, peak_tflops, unmodelled_variants
+from .metrics import MetricsLogger
+from .tokenizer import build_tokenizer, padded_vocab_size
+
+
+def print_rank_0(*msg) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# start-up
+# ------------------------------------------------------------------------------------------------
+def initialize_distributed(args) -> bool:
+    """torch.distributed (from torchrun's environment, or a 1-process group), the CPU fallbacks,
+    megatron's parallel state, the microbatch calculator and the seeds. Returns True if this
+    call created the process group (so ``teardown`` destroys it)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
+        destroy_num_microbatches_calculator,
+        init_num_microbatches_calculator,
+    )
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    from ..testing.cpu import install_cpu_fallbacks  # noqa: PLC0415
+    from ..testing.distributed import free_port  # noqa: PLC0415
+
+    created = False
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a group of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) %
+                                  torch.cuda.device_count())
+        dist.init_process_group(
+            args.distributed_backend,
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        created = True
+    if not torch.cuda.is_available():
+        install_cpu_fallbacks()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+    destroy_num_microbatches_calculator()
+    init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size,
+                                     args.micro_batch_size, args.data_parallel_size)
+    # as Megatron-LM: a different stream per pipeline stage, the same on TP/DP ranks of a stage
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return created
+
+
+def teardown(created_process_group: bool) -> None:
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.num_microbatches_calculator import (  # noqa: PLC0415
+        destroy_num_microbatches_calculator,
+    )
+
+    destroy_num_microbatches_calculator()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if created_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def build_config(args):
+    """SubqTransformerConfig from the flags; a config error names the flag that caused it."""
+    import dataclasses  # noqa: PLC0415
+
+    from ..config import SubqTransformerConfig  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    kwargs = dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, add_bias_linear=args.add_bias_linear,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        pipeline_dtype=dtype, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
+        attention_variant=args.attention_variant, layer_pattern=_layer_pattern(args.layer_pattern),
+        calculate_per_token_loss=False,
+    )
+    if not args.swiglu:
+        import torch.nn.functional as F  # noqa: PLC0415
+
+        kwargs["activation_func"] = F.gelu
+    for f in arguments.variant_fields():
+        if f.name not in kwargs and hasattr(args, f.name):
+            kwargs[f.name] = getattr(args, f.name)
+    names = {f.name for f in dataclasses.fields(SubqTransformerConfig)}
+    try:
+        return SubqTransformerConfig(**{k: v for k, v in kwargs.items() if k in names})
+    except (ValueError, AssertionError, TypeError) as e:
+        message = str(e) or type(e).__name__
+        flags = [arguments.flag_for_field(k) for k in sorted(kwargs, key=len, reverse=True)
+                 if k in message and hasattr(args, k)]
+        arguments.fail(args, f"{', '.join(flags[:2]) or 'model configuration'}: {message}")
+
+
+def _layer_pattern(value):
+    if value is None or "," not in value:
+        return value
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
+    """[DDP(Float16Module?(GPTModel))] for this pipeline stage (one chunk: no virtual PP)."""
+    from megatron.core.distributed import (  # noqa: PLC0415
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
+
+    from ..specs import build_gpt_model  # noqa: PLC0415
+
+    model = build_gpt_model(
+        config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    if torch.cuda.is_available():
+        model = model.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        bucket_size=None)
+    return [DistributedDataParallel(config, ddp_config, model)]
+
+
+def count_parameters(model: List[torch.nn.Module]) -> int:
+    """Parameters of the whole model (all TP and PP ranks; TP-replicated ones counted once)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    n = 0
+    for chunk in model:
+        for p in unwrap(chunk).parameters():
+            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                n += p.numel()
+    t = torch.tensor([n], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, group=parallel_state.get_model_parallel_group())
+    return int(t.item())
+
+
+def build_optimizer(args, model):
+    from megatron.core.optimizer import (  # noqa: PLC0415
+        OptimizerConfig,
+        get_megatron_optimizer,
+        get_standard_config_overrides,
+    )
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    config = OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=dtype, loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather)
+    optimizer = get_megatron_optimizer(config, model,
+                                       config_overrides=get_standard_config_overrides(config))
+
+    # as Megatron-LM's get_optimizer_param_scheduler: steps are counted in samples
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay = (args.lr_decay_iters or args.train_iters or 1) * gbs
+        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_iters * gbs)
+        wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+        wd_steps = (args.train_iters or 1) * gbs
+    else:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = (args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None
+                  else args.lr_warmup_samples)
+        wsd = args.lr_wsd_decay_samples
+        wd_steps = args.train_samples
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay, wd_incr_steps=wd_steps,
+        wd_incr_style=args.weight_decay_incr_style, use_checkpoint_opt_param_scheduler=True,
+        override_opt_param_scheduler=False, wsd_decay_steps=wsd,
+        lr_wsd_decay_style=args.lr_wsd_decay_style)
+    return optimizer, scheduler
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# steps
+# ------------------------------------------------------------------------------------------------
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron-LM's: (sum of masked token losses, token count, report [sum, count])."""
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
+                                                    num_tokens.view(1).float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = to_device(next(data_iterator), _device())
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _reduce_losses(losses_reduced) -> Optional[torch.Tensor]:
+    """[loss sum, token count] over microbatches and DP ranks (last pipeline stage only)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    total = torch.stack([d["lm loss"].view(-1) for d in losses_reduced]).sum(0)
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return total
+
+
+def train_step(args, model, optimizer, scheduler, data_iterator):
+    from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_losses(losses), (not update_successful), grad_norm
+
+
+def evaluate(args, model, loader) -> Optional[float]:
+    """Mean validation loss over the fixed validation set (on the last pipeline stage)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: PLC0415
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+
+    for chunk in model:
+        chunk.eval()
+    total = None
+    iterator = iter(loader)
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iterator, model=model,
+                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size, forward_only=True)
+            reduced = _reduce_losses(losses)
+            if reduced is not None:
+                total = reduced if total is None else total + reduced
+    for chunk in model:
+        chunk.train()
+    return None if total is None else (total[0] / total[1].clamp(min=1)).item()
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+def pretrain(argv=None) -> Dict:
+    """Run the trainer with Megatron-LM-style flags. Returns a summary (losses on the last rank)."""
+    world = dist.get_world_size() if dist.is_initialized() else None
+    args = arguments.parse_args(argv, world_size=world)
+    created = initialize_distributed(args)
+    try:
+        return _run(args)
+    finally:
+        teardown(created)
+
+
+def _run(args) -> Dict:
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    except ValueError as e:
+        arguments.fail(args, str(e))
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                              args.tensor_model_parallel_size)
+    config = build_config(args)
+    model = build_model(args, config, vocab)
+    optimizer, scheduler = build_optimizer(args, model)
+
+    from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    if args.overlap_grad_reduce:
+        config.no_sync_func = model[0].no_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model[0].start_param_sync
+
+    n_params = count_parameters(model)
+    flops_iter = flops_per_iteration(config, args.seq_length, vocab, args.global_batch_size,
+                                     args.micro_batch_size)
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = args.peak_tflops_per_gpu or (peak_tflops(device_name) if torch.cuda.is_available()
+                                        else None)
+    print_rank_0(
+        f"> megatron_subq pretrain_gpt: variant {args.attention_variant} "
+        f"(layers: {','.join(config.layer_variants)}), {n_params:,} parameters, vocab {vocab} "
+        f"(tokenizer {tokenizer.vocab_size}), world {args.world_size} = TP "
+        f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
+        f"{args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {device_name}, "
+        f"{flops_iter / 1e12:.3f} TFLOP per iteration")
+    for name in unmodelled_variants(config):
+        print_rank_0(f"> note: FLOPs of variant {name!r} are not modelled; counted as standard "
+                     "attention (see docs/training.md)")
+
+    iteration, consumed, flops_so_far = 0, 0, 0.0
+    if args.load:
+        try:
+            iteration, consumed, flops_so_far = load_checkpoint(args, model, optimizer, scheduler,
+                                                                log=print_rank_0)
+        except FileNotFoundError as e:
+            arguments.fail(args, str(e))
+    loaded_iteration = iteration
+
+    train_ds, valid_ds, _ = build_datasets(args, tokenizer)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    valid_loader = None
+    if valid_ds is not None and args.eval_iters > 0:
+        valid_loader = make_loader(valid_ds, 0, args.eval_iters * args.global_batch_size, args,
+                                   dp_rank, dp_size)
+    logger = MetricsLogger(args, flops_iter, peak)
+    summary: Dict = {"iterations": {}, "valid": {}, "parameters": n_params,
+                     "loaded_iteration": loaded_iteration}
+
+    def run_eval(at: int) -> None:
+        if valid_loader is None:
+            return
+        loss = evaluate(args, model, valid_loader)
+        logger.log_validation(at, loss)
+        if loss is not None:
+            summary["valid"][at] = loss
+
+    if args.skip_train:
+        run_eval(iteration)
+        logger.close()
+        summary["iteration"] = iteration
+        return summary
+
+    if args.train_iters is None or iteration >= args.train_iters:
+        print_rank_0(f"> nothing to train: iteration {iteration} >= --train-iters "
+                     f"{args.train_iters}")
+    train_loader = make_loader(train_ds, consumed, None, args, dp_rank, dp_size)
+    train_iter = iter(train_loader)
+    for chunk in model:
+        chunk.train()
+    last_saved = loaded_iteration if args.load else None
+    last_eval = None
+    while iteration < (args.train_iters or 0):
+        _sync()
+        start = time.perf_counter()
+        loss_sum, skipped, grad_norm = train_step(args, model, optimizer, scheduler, train_iter)
+        _sync()
+        elapsed = time.perf_counter() - start
+        iteration += 1
+        consumed += args.global_batch_size
+        flops_so_far += flops_iter
+        loss = None if loss_sum is None else (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
+        lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else scheduler.get_lr(
+            scheduler.optimizer.param_groups[0])
+        logger.log_iteration(iteration, consumed, elapsed, lr, loss, grad_norm, skipped,
+                             getattr(optimizer, "get_loss_scale", lambda: torch.tensor(1.0))())
+        if loss is not None:
+            summary["iterations"][iteration] = loss
+        if iteration % args.eval_interval == 0:
+            run_eval(iteration)
+            last_eval = iteration
+        if args.save and iteration % args.save_interval == 0:
+            save_checkpoint(args, iteration, model, optimizer, scheduler, consumed, flops_so_far,
+                            log=print_rank_0)
+            last_saved = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
+            break
+    if last_eval != iteration and iteration > loaded_iteration:
+        run_eval(iteration)
+    if args.save and last_saved != iteration and iteration > 0:
+        save_checkpoint(args, iteration, model, optimizer, scheduler, consumed, flops_so_far,
+                        log=print_rank_0)
+    logger.close()
+    summary["iteration"] = iteration
+    return summary
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    pretrain(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

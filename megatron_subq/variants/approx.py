@@ -1,0 +1,48 @@
+"""approx: the deconstructing-attention paper's Taylor-form linear attention (Appendix I, Eq. 14-17).
+
+Only the attention core changes: megatron's ``SelfAttention`` (fused QKV column-parallel
+projection, RoPE, GQA, row-parallel output) with ``ApproxCoreAttention``, which calls
+``ops.approx_attention`` on the raw projections (the op applies the d_h^{-1/4} pre-scaling).
+RoPE is kept: the variant approximates ``softmax(QK^T/sqrt(d_h))`` of the standard layer, whose Q
+and K are rotated; a per-position rotation of q and k leaves the linear-attention form intact.
+No parameters of its own, no communication of its own: the recurrence runs along the sequence
+inside one head, and TP shards heads.
+"""
+
+from __future__ import annotations
+
+from ..attention import SubqCoreAttention
+from ..ops import approx_attention
+from .base import Variant
+from .standard import self_attention_spec
+
+
+class ApproxCoreAttention(SubqCoreAttention):
+    """o = mean(v) + normalised linear attention (identity features) + (element-wise squares)."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        if self.softmax_scale is not None:
+            raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for approx: allowed "
+                             "None (q and k are pre-scaled by kv_channels**-0.25)")
+
+    def attend(self, q, k, v):
+        return approx_attention(q, k, v, impl=self.config.subq_impl)
+
+
+def attention_spec(config, layer_number: int, backend):
+    return self_attention_spec(ApproxCoreAttention, backend)
+
+
+def validate(config) -> None:
+    if config.softmax_scale is not None:
+        raise ValueError(f"softmax_scale={config.softmax_scale!r} is invalid with approx layers: "
+                         "allowed None (q and k are pre-scaled by kv_channels**-0.25)")
+
+
+VARIANT = Variant(
+    name="approx",
+    summary="second-order Taylor linear attention, three separately normalised terms (Eq. 14-17)",
+    attention_spec=attention_spec,
+    validate=validate,
+)

@@ -1,0 +1,72 @@
+"""asa: Adaptive Subquadratic Attention — megatron's ``SelfAttention`` with an ASA core.
+
+Only the attention core changes: Q, K, V come from megatron's fused QKV projection (with RoPE and
+GQA), and ``ASACoreAttention`` holds the per-head projections ``P_Q, P_K`` (``[H, D, m]``, m =
+``asa_rank``) and calls ``ops.asa_attention``. With TP=N each rank owns the P_Q/P_K of its H/N
+query heads (head-sharded, initialised as the full master tensor so TP=N starts from TP=1's
+weights), and ASA needs no communication of its own: the causal recurrence runs along the
+sequence *inside* one head, and megatron's column/row-parallel projections around the core already
+gather the sequence under SP.
+
+Init: ``P_Q, P_K ~ N(0, 1/D)`` (fan-in). Then ``q P_Q`` has about the per-coordinate scale of
+``q``, so the feature softmaxes start input-dependent but far from one-hot: neither uniform
+(which would make every query attend like a running mean and stall learning of selectivity), nor
+saturated (vanishing softmax gradients). megatron's ``init_method`` (std 0.02) is meant for
+d_model-sized fan-ins and would start the features almost uniform at D = 64…128.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import SubqCoreAttention
+from ..ops import asa_attention
+from ..parallel import head_sharded_parameter
+from .base import Variant
+from .standard import self_attention_spec
+
+
+class ASACoreAttention(SubqCoreAttention):
+    """Causal ASA on this rank's heads. Parameters: ``p_q``, ``p_k`` ``[H_local, D, m]``."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        if self.softmax_scale is not None:
+            raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for asa: allowed "
+                             "None (ASA's feature softmaxes are unscaled; P_Q sets the temperature)")
+        full_shape = (config.num_attention_heads, config.kv_channels, config.asa_rank)
+        std = 1.0 / math.sqrt(config.kv_channels)
+        device = None
+        if torch.cuda.is_available() and not config.use_cpu_initialization:
+            device = torch.cuda.current_device()
+
+        def init(master: torch.Tensor) -> None:
+            torch.nn.init.normal_(master, mean=0.0, std=std)
+
+        self.p_q = head_sharded_parameter(full_shape, init, config.params_dtype, device)
+        self.p_k = head_sharded_parameter(full_shape, init, config.params_dtype, device)
+
+    def attend(self, q, k, v):
+        return asa_attention(q, k, v, self.p_q, self.p_k, normalize=self.config.asa_normalize,
+                             impl=self.config.subq_impl)
+
+
+def attention_spec(config, layer_number: int, backend):
+    return self_attention_spec(ASACoreAttention, backend)
+
+
+def validate(config) -> None:
+    # asa_rank < kv_channels and asa_normalize are checked in SubqTransformerConfig itself.
+    if config.softmax_scale is not None:
+        raise ValueError(f"softmax_scale={config.softmax_scale!r} is invalid with asa layers: "
+                         "allowed None (ASA's feature softmaxes are unscaled)")
+
+
+VARIANT = Variant(
+    name="asa",
+    summary="causal linear attention with learned per-head softmax feature maps (P_Q, P_K)",
+    attention_spec=attention_spec,
+    validate=validate,
+)

@@ -1,0 +1,66 @@
+"""nonapprox: softmax over time of one self-gated scalar per token (deconstructing-attention Eq. 7-8).
+
+``s_j = sum(SiLU(q_j) * k_j) / sqrt(d_h)``, ``o_i = sum_{j<=i} exp(s_j) v_j / sum_{j<=i} exp(s_j)``.
+megatron's ``SelfAttention`` (fused QKV projection, GQA, row-parallel output) around
+``NonapproxCoreAttention``, which calls ``ops.nonapprox_attention`` on the raw projections (the op
+applies SiLU to q).
+
+No RoPE: there is no pairwise q_i.k_j for a relative position to enter, and q_j, k_j come from the
+same token — rotating both by the same angle would cancel in a plain dot product and, through the
+SiLU, only inject an absolute-position perturbation the paper does not have (its Eq. 8 is
+``Q = SiLU(H W^Q)``, ``K, V = H W^{K,V}``). ``NoRopeSelfAttention`` drops the rotary embedding that
+the layer passes. No parameters or communication of its own (TP shards heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.transformer.attention import SelfAttention
+
+from ..attention import SubqCoreAttention
+from ..ops import nonapprox_attention
+from .base import Variant
+from .standard import self_attention_spec
+
+
+class NonapproxCoreAttention(SubqCoreAttention):
+    """Causal softmax over time of s_j = SiLU(q_j).k_j / sqrt(d_h), applied to v."""
+
+    def __init__(self, config, layer_number, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        if self.softmax_scale is not None:
+            raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for nonapprox: "
+                             "allowed None (the score is scaled by 1/sqrt(kv_channels))")
+
+    def attend(self, q, k, v):
+        return nonapprox_attention(q, k, v, impl=self.config.subq_impl)
+
+
+class NoRopeSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` that ignores the rotary embedding it is given."""
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None,
+                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, **kwargs):
+        return super().forward(hidden_states, attention_mask, key_value_states=key_value_states,
+                               inference_context=inference_context, **kwargs)
+
+
+def attention_spec(config, layer_number: int, backend):
+    return dataclasses.replace(self_attention_spec(NonapproxCoreAttention, backend),
+                               module=NoRopeSelfAttention)
+
+
+def validate(config) -> None:
+    if config.softmax_scale is not None:
+        raise ValueError(f"softmax_scale={config.softmax_scale!r} is invalid with nonapprox "
+                         "layers: allowed None (the score is scaled by 1/sqrt(kv_channels))")
+
+
+VARIANT = Variant(
+    name="nonapprox",
+    summary="softmax over time of one SiLU(q)-gated scalar per token (no pairwise q.k)",
+    attention_spec=attention_spec,
+    validate=validate,
+)

@@ -1,0 +1,40 @@
+"""ppa: Power-based Partial Attention — a causal softmax over the window band plus power offsets.
+
+Only the attention core changes: megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel
+output) around ``PPACoreAttention``, which calls ``ops.ppa_attention`` with the config's
+``ppa_power`` (p) and ``ppa_window`` (w). No parameters are added; under TP each rank attends with
+its own heads, so there is no communication beyond megatron's projections.
+"""
+
+from __future__ import annotations
+
+from ..attention import SubqCoreAttention
+from ..ops.ppa import ppa_attention, ppa_power_fraction
+from .base import SpecBackend, Variant
+from .standard import self_attention_spec
+
+
+class PPACoreAttention(SubqCoreAttention):
+    """Query i attends key k <= i iff i-k <= ppa_window or i-k in S_p (p = ppa_power)."""
+
+    def attend(self, q, k, v):
+        return ppa_attention(q, k, v, self.config.ppa_power, self.config.ppa_window,
+                             impl=self.config.subq_impl, scale=self.softmax_scale)
+
+
+def attention_spec(config, layer_number: int, backend: SpecBackend):
+    return self_attention_spec(PPACoreAttention, backend)
+
+
+def validate(config) -> None:
+    # config.py checks the range of ppa_power and ppa_window; offsets are exact only for a power
+    # that is a rational with a small denominator, so refuse what would otherwise be rounded.
+    ppa_power_fraction(config.ppa_power, what="ppa_power")
+
+
+VARIANT = Variant(
+    name="ppa",
+    summary="power-based partial attention: window band + offsets where floor(j^p) increments",
+    attention_spec=attention_spec,
+    validate=validate,
+)

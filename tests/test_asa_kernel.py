@@ -1,0 +1,186 @@
+"""ASA's Triton kernel against the fp32 reference: forward, every gradient, states, dispatch.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below before
+triton is imported, on small CPU shapes); the ``gpu``-marked tests cover large shapes and the half
+dtypes' tensor-core paths on a GPU.
+
+Error measure: relative RMS, ``‖x − ref‖₂ / max(‖ref‖₂, 1e-2 ‖dO‖₂)`` per output (o, dq, dk, dv,
+dp_q, dp_k), the reference computed in fp32 (O(T²) form) from the same (rounded) inputs; the floor
+only matters where a gradient is zero by the math (T = 1 with "linear"). Bounds:
+
+* fp32 inputs: 1e-5 (fp32 arithmetic throughout; seen ≤ 5e-7 in the interpreter);
+* fp16: 3e-3 (fp16 matmul operands with fp32 accumulation; seen ≤ 6e-4);
+* bf16: 2e-2 (bf16 operands, 8-bit mantissa; seen ≤ 4e-3 in the interpreter, whose bf16 dots
+  go through fp32 — the GPU test checks the real bf16 tensor-core path against the same bound).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+
+triton = pytest.importorskip("triton")
+
+import megatron_subq as subq  # noqa: E402
+from megatron_subq import ops  # noqa: E402
+from megatron_subq.ops.asa import ASA_NORMALIZE_MODES, asa_attention_quadratic  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+NAMES = ("o", "dq", "dk", "dv", "dp_q", "dp_k")
+
+
+def _kernel_module():
+    """The kernel package, re-imported under the interpreter if it was first imported without."""
+    import importlib
+
+    from megatron_subq.kernels.asa import chunk, function
+
+    if DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(chunk.asa_fwd_out_kernel, InterpretedFunction):
+            importlib.reload(chunk)
+            importlib.reload(function)
+            import megatron_subq.kernels.asa as pkg
+
+            importlib.reload(pkg)
+    import megatron_subq.kernels.asa as pkg
+
+    return pkg
+
+
+KERNEL = _kernel_module()
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
+
+
+def _inputs(B, T, H, H_kv, D, m, Dv, dtype, seed=0, p_std=None):
+    g = torch.Generator().manual_seed(seed)
+    p_std = D ** -0.5 * 2 if p_std is None else p_std  # sharper than the module's init
+    tensors = [torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H_kv, D, generator=g),
+               torch.randn(B, T, H_kv, Dv, generator=g),
+               torch.randn(H, D, m, generator=g) * p_std, torch.randn(H, D, m, generator=g) * p_std]
+    return [t.to(device=DEVICE, dtype=dtype).requires_grad_() for t in tensors]
+
+
+def _compare(shape, normalize, dtype, bound=None, seed=0):
+    """Kernel vs fp32 O(T²) reference on the same rounded inputs: forward and all gradients."""
+    args = _inputs(*shape, dtype=dtype, seed=seed)
+    out = ops.asa_attention(*args, normalize=normalize, impl="kernel")
+    assert out.dtype == dtype and out.shape == args[0].shape[:3] + (args[2].shape[3],)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
+    grads = torch.autograd.grad(out, args, d_out)
+    ref_args = [a.detach().float().requires_grad_() for a in args]
+    ref = asa_attention_quadratic(*ref_args, normalize=normalize)
+    ref_grads = torch.autograd.grad(ref, ref_args, d_out.float())
+    bound = BOUNDS[dtype] if bound is None else bound
+    # floor: a gradient that is zero by the math (T = 1 with "linear": o_0 = v_0 whatever q, k,
+    # P are) is measured against the size of dO instead of its own (zero) size
+    floor = 1e-2 * d_out.double().norm().item()
+    errors = {name: rel_rms(x, r, floor)
+              for name, x, r in zip(NAMES, (out,) + grads, (ref,) + ref_grads)}
+    for name, x in zip(NAMES, (out,) + grads):
+        assert torch.isfinite(x).all(), f"{name} has non-finite values"
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"relative RMS above {bound}: {bad} (all: {errors})"
+    return errors
+
+
+# (B, T, H, H_kv, D, m, Dv): T around the 64-token chunk, GQA, padded D/m/Dv
+SMALL_SHAPES = {
+    1: (2, 1, 2, 1, 16, 8, 16),
+    63: (1, 63, 2, 2, 24, 10, 20),
+    64: (1, 64, 4, 2, 16, 16, 32),
+    65: (1, 65, 2, 1, 32, 12, 16),
+}
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+@pytest.mark.parametrize("T", sorted(SMALL_SHAPES))
+def test_kernel_matches_reference_fp32(T, normalize):
+    _compare(SMALL_SHAPES[T], normalize, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_kernel_half_dtypes(dtype):
+    _compare((1, 65, 2, 1, 16, 16, 16), "linear", dtype)
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_kernel_prefill_and_decode_continue_each_other(normalize):
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 70, 2, 1, 16, 8, 16, torch.float32))
+    full = asa_attention_quadratic(q, k, v, p_q, p_k, normalize)
+    o1, st = ops.asa_prefill(q[:, :30], k[:, :30], v[:, :30], p_q, p_k, normalize, impl="kernel")
+    o2, st = ops.asa_prefill(q[:, 30:67], k[:, 30:67], v[:, 30:67], p_q, p_k, normalize, state=st,
+                             impl="kernel")
+    steps = [ops.asa_decode_step(q[:, t], k[:, t], v[:, t], p_q, p_k, st, normalize)
+             for t in range(67, 70)]
+    got = torch.cat([o1, o2, torch.stack(steps, dim=1)], dim=1)
+    assert rel_rms(got, full) < 1e-5
+    _, ref_state = ops.asa_prefill(q, k, v, p_q, p_k, normalize, impl="reference")
+    assert rel_rms(st.S, ref_state.S) < 1e-5 and rel_rms(st.z, ref_state.z) < 1e-5
+
+
+def test_module_uses_the_kernel():
+    """ASACoreAttention with subq_impl='kernel' equals the reference run (output and P grads)."""
+    from megatron_subq.variants.asa import ASACoreAttention
+
+    results = []
+    for impl in ("kernel", "reference"):
+        cfg = subq.SubqTransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                         num_query_groups=2, attention_variant="asa",
+                                         subq_impl=impl)
+        torch.manual_seed(0)
+        core = ASACoreAttention(cfg, layer_number=1).to(DEVICE)
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(9, 2, h, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+        out = core(q, k, v, attention_mask=None)
+        out.square().sum().backward()
+        results.append((out.detach(), core.p_q.grad, core.p_k.grad))
+    for got, ref in zip(*results):
+        assert rel_rms(got, ref) < 1e-5
+
+
+def test_kernel_rejects_bad_normalize():
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 4, 2, 2, 16, 8, 16, torch.float32))
+    with pytest.raises(ValueError, match="normalize='softmax'"):
+        KERNEL.asa_attention_kernel(q, k, v, p_q, p_k, normalize="softmax")
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: large shapes, the real half-precision tensor-core paths
+# ------------------------------------------------------------------------------------------
+GPU_SHAPES = [
+    (2, 1000, 8, 2, 128, 64, 128),
+    (1, 4096, 4, 4, 128, 128, 128),
+    (1, 777, 4, 1, 256, 32, 64),
+    (3, 63, 2, 2, 64, 256, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_reference_gpu(shape, normalize, dtype):
+    errors = _compare(shape, normalize, dtype)
+    print(f"{shape} {normalize} {dtype}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+def test_prefill_decode_gpu_bf16():
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(2, 300, 8, 2, 128, 64, 128,
+                                                       torch.bfloat16))
+    full = ops.asa_attention(q, k, v, p_q, p_k, impl="kernel")
+    o1, st = ops.asa_prefill(q[:, :200], k[:, :200], v[:, :200], p_q, p_k, impl="kernel")
+    steps = [ops.asa_decode_step(q[:, t], k[:, t], v[:, t], p_q, p_k, st) for t in range(200, 300)]
+    got = torch.cat([o1, torch.stack(steps, dim=1)], dim=1)
+    assert rel_rms(got, full) < BOUNDS[torch.bfloat16]

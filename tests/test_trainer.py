@@ -1,0 +1,344 @@
+"""examples/pretrain_gpt.py end to end on the CPU: real data, TP=2 + SP with torchrun, exact resume,
+an interrupted save, resharding to TP=1, tools/evaluate.py, and every registered variant.
+
+Process launches are few on purpose (each costs seconds of imports): one torchrun run of 30
+iterations (A), one torchrun run resuming A's copy from iteration 20 (B), and one single-process
+run of the remaining checks (TP=1 reload, evaluate.py, a crash inside a save, the variants).
+"""
+
+import glob
+import importlib.util
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_subq import VARIANTS  # noqa: E402
+from megatron_subq.testing import free_port, run_distributed  # noqa: E402
+from megatron_subq.training import arguments  # noqa: E402
+from megatron_subq.training.checkpointing import read_tracker  # noqa: E402
+
+CORPUS = os.environ.get("SUBQ_CORPUS") or os.path.join(ROOT, "..", "shared", "data",
+                                                       "docs-corpus.jsonl.xz")
+HAVE_MISTRAL = importlib.util.find_spec("mistral_common") is not None
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--seq-length", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style",
+        "cosine", "--lr-warmup-iters", "3", "--split", "90,10,0", "--num-workers", "0",
+        "--eval-iters", "2", "--log-interval", "5", "--seed", "1234"]
+
+# knobs a variant needs on the tiny model (anything not listed runs at its defaults)
+VARIANT_FLAGS = {
+    "asa": ["--asa-rank", "8"],
+    "ppa": ["--ppa-window", "8"],
+    "superlinear": ["--superlinear-sw-index", "3", "--superlinear-block-size", "16"],
+}
+
+
+def _torchrun(argv, log_path, nproc=2, timeout=400):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(ROOT, "examples", "pretrain_gpt.py")] + argv
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                              timeout=timeout)
+    text = open(log_path).read()
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{text[-6000:]}"
+    return text
+
+
+def _metrics(path):
+    train, valid = {}, {}
+    for line in open(path):
+        record = json.loads(line)
+        if "lm_loss" in record:
+            train[record["iteration"]] = record
+        else:
+            valid[record["iteration"]] = record["valid_loss"]
+    return train, valid
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A slice of the real corpus preprocessed with the Mistral tokenizer (or a tiny
+    SentencePiece model trained here when mistral-common is missing)."""
+    from test_preprocess import corpus_texts, train_tiny_sentencepiece
+
+    from tools import preprocess_data
+
+    assert os.path.isfile(CORPUS), f"the corpus is missing: {CORPUS}"
+    work = tmp_path_factory.mktemp("trainer")
+    model = "mistral" if HAVE_MISTRAL else train_tiny_sentencepiece(
+        str(work), [t[:20000] for t in corpus_texts(20)])
+    out = preprocess_data.main(["--input", CORPUS, "--max-documents", "120", "--output-prefix",
+                                str(work / "docs"), "--tokenizer-type",
+                                "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+                                "--workers", "2", "--no-progress"])
+    heldout = work / "heldout.jsonl"
+    import lzma
+
+    with lzma.open(CORPUS, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(123)][120:]
+    heldout.write_text("".join(lines))
+    flags = ["--data-path", out["prefixes"]["text"], "--tokenizer-type",
+             "GPTSentencePieceTokenizer", "--tokenizer-model", model]
+    return {"work": work, "flags": flags, "heldout": str(heldout), "model": model}
+
+
+@pytest.fixture(scope="module")
+def run_a(data):
+    """30 iterations, TP=2 + SP, distributed optimizer, saves at 10, 20, 30."""
+    save = data["work"] / "ckpt_a"
+    log = _torchrun(TINY + data["flags"] + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+        "--train-iters", "30", "--save", str(save), "--save-interval", "10", "--eval-interval",
+        "10", "--metrics-file", str(data["work"] / "a.jsonl"), "--peak-tflops-per-gpu", "1.0"],
+        data["work"] / "a.log")
+    train, valid = _metrics(data["work"] / "a.jsonl")
+    return {"save": str(save), "log": log, "train": train, "valid": valid}
+
+
+def test_log_lines_and_loss_falls(run_a):
+    log, train = run_a["log"], run_a["train"]
+    lines = [ln for ln in log.splitlines() if " iteration " in ln and "consumed samples" in ln]
+    assert len(lines) == 6  # every --log-interval 5
+    for key in ("consumed samples:", "elapsed time per iteration (ms):", "learning rate:",
+                "lm loss:", "grad norm:", "number of skipped iterations:",
+                "number of nan iterations:", "tokens per second per GPU:",
+                "throughput per GPU (TFLOP/s/GPU):", "MFU:", "peak CPU RSS (GB):"):
+        assert key in lines[-1], key
+    assert "validation loss at iteration 30 | lm loss value:" in log and "lm loss PPL:" in log
+    assert sorted(train) == list(range(1, 31)) and sorted(run_a["valid"]) == [10, 20, 30]
+    first = sum(train[i]["lm_loss"] for i in range(1, 4)) / 3
+    last = sum(train[i]["lm_loss"] for i in range(28, 31)) / 3
+    assert last < first - 0.5, (first, last)
+    assert read_tracker(run_a["save"]) == 30
+
+
+def test_resume_after_interrupted_save_is_bitwise_exact(run_a, data):
+    """B = A's checkpoints 10 and 20 + the debris of a save of 30 that died midway (shards
+    partly written, tracker still 20). B resumes from 20 and must reproduce A's iterations
+    21-30 and its validation loss bit for bit, then commit its own save of 30."""
+    b = data["work"] / "ckpt_b"
+    b.mkdir()
+    for it in (10, 20):
+        shutil.copytree(os.path.join(run_a["save"], f"iter_{it:07d}"), b / f"iter_{it:07d}")
+    (b / "latest_checkpointed_iteration.txt").write_text("20\n")
+    debris = b / "iter_0000030.partial"
+    shutil.copytree(os.path.join(run_a["save"], "iter_0000030"), debris)
+    shards = sorted(glob.glob(str(debris / "*.distcp")))
+    assert shards
+    with open(shards[0], "r+b") as f:
+        f.truncate(os.path.getsize(shards[0]) // 2)
+    for name in (".metadata", "metadata.json"):
+        if (debris / name).exists():
+            (debris / name).unlink()
+
+    log = _torchrun(TINY + data["flags"] + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+        "--train-iters", "30", "--load", str(b), "--save", str(b), "--save-interval", "10",
+        "--eval-interval", "10", "--metrics-file", str(data["work"] / "b.jsonl")],
+        data["work"] / "b.log")
+    assert "loaded checkpoint at iteration 20" in log
+    train_b, valid_b = _metrics(data["work"] / "b.jsonl")
+    assert sorted(train_b) == list(range(21, 31))
+    for it in range(21, 31):
+        a, bb = run_a["train"][it], train_b[it]
+        assert (bb["lm_loss"], bb["grad_norm"], bb["lr"], bb["consumed_samples"]) == \
+            (a["lm_loss"], a["grad_norm"], a["lr"], a["consumed_samples"]), it
+    assert valid_b[30] == run_a["valid"][30]
+    assert read_tracker(str(b)) == 30 and (b / "iter_0000030").is_dir()
+    assert not debris.exists()
+
+
+# ---- single-process checks (one spawned process) -------------------------------------------
+def _single_process_checks(tiny, flags, a_save, heldout, crash_dir, variant_runs):
+    import megatron_subq.training.checkpointing as ckpt
+    from megatron_subq.training import pretrain
+    from tools import evaluate
+
+    out = {}
+    # the TP=2 + SP checkpoint of iteration 20, resharded to TP=1
+    out["tp1"] = pretrain(tiny + flags + ["--load", a_save, "--ckpt-step", "20",
+                                          "--skip-train"])
+    out["evaluate"] = evaluate.main(["--load", a_save, "--input", heldout, "--ckpt-step", "30"])
+    from megatron_subq.training.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(flags[flags.index("--tokenizer-type") + 1],
+                          flags[flags.index("--tokenizer-model") + 1])
+    out["heldout_tokens"] = sum(len(tok.tokenize(json.loads(line)["text"])) + 1
+                                for line in open(heldout) if line.strip()) - 1
+
+    # a crash inside the save of iteration 4: the shards are partly written, then the process
+    # "dies" (an exception escapes) before the commit
+    real_save = ckpt.dist_checkpointing.save
+
+    def crashing_save(state, folder, *args, **kwargs):
+        real_save(state, folder, *args, **kwargs)
+        if folder.endswith("iter_0000004.partial"):
+            shard = sorted(glob.glob(os.path.join(folder, "*.distcp")))[0]
+            with open(shard, "r+b") as f:
+                f.truncate(10)
+            raise RuntimeError("simulated crash during save")
+
+    crash = tiny + flags + ["--train-iters", "4", "--save", crash_dir, "--save-interval", "2",
+                            "--eval-interval", "100", "--eval-iters", "0"]
+    ckpt.dist_checkpointing.save = crashing_save
+    try:
+        pretrain(crash)
+        out["crash_raised"] = False
+    except RuntimeError as e:
+        out["crash_raised"] = "simulated crash" in str(e)
+    finally:
+        ckpt.dist_checkpointing.save = real_save
+    out["tracker_after_crash"] = read_tracker(crash_dir)
+    out["dirs_after_crash"] = sorted(os.listdir(crash_dir))
+    out["resumed"] = pretrain(crash + ["--load", crash_dir])
+    out["tracker_after_resume"] = read_tracker(crash_dir)
+    out["dirs_after_resume"] = sorted(os.listdir(crash_dir))
+
+    # every registered variant: 5 iterations through the trainer
+    out["variants"] = {}
+    for name, extra in variant_runs:
+        summary = pretrain(tiny + flags + ["--attention-variant", name, "--seq-length", "32",
+                                           "--global-batch-size", "2", "--train-iters", "5",
+                                           "--eval-iters", "0", "--eval-interval", "100"]
+                           + extra)
+        out["variants"][name] = summary["iterations"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(run_a, data):
+    fixed_tokens = data["work"] / "fixed_tokens.txt"
+    fixed_tokens.write_text(" ".join(str(3 + (7 * i) % 250) for i in range(64)))
+    per_variant = dict(VARIANT_FLAGS, fixed_seq_qk=["--fixed-qk-tokens-file", str(fixed_tokens)])
+    variant_runs = [(name, per_variant.get(name, [])) for name in sorted(VARIANTS)]
+    [result] = run_distributed(_single_process_checks, world_size=1, args=(
+        TINY, data["flags"], run_a["save"], data["heldout"], str(data["work"] / "crash"),
+        variant_runs))
+    return result
+
+
+def test_checkpoint_loads_at_tp1_with_the_same_validation_loss(single, run_a):
+    assert single["tp1"]["loaded_iteration"] == 20
+    assert single["tp1"]["valid"][20] == pytest.approx(run_a["valid"][20], rel=1e-5)
+
+
+def test_evaluate_tool_perplexity(single):
+    ev = single["evaluate"]
+    assert ev["iteration"] == 30 and ev["tokens"] == single["heldout_tokens"]
+    assert math.isfinite(ev["loss"]) and ev["perplexity"] == pytest.approx(math.exp(ev["loss"]))
+
+
+def test_crash_inside_save_keeps_previous_checkpoint(single):
+    assert single["crash_raised"]
+    assert single["tracker_after_crash"] == 2
+    assert "iter_0000004" not in single["dirs_after_crash"]
+    assert "iter_0000004.partial" in single["dirs_after_crash"]
+    assert single["resumed"]["loaded_iteration"] == 2
+    assert sorted(single["resumed"]["iterations"]) == [3, 4]
+    assert single["tracker_after_resume"] == 4
+    assert "iter_0000004" in single["dirs_after_resume"]
+    assert "iter_0000004.partial" not in single["dirs_after_resume"]
+
+
+def test_every_registered_variant_trains_5_iterations(single):
+    assert sorted(single["variants"]) == sorted(VARIANTS)
+    for name, losses in single["variants"].items():
+        assert sorted(losses) == [1, 2, 3, 4, 5], name
+        assert all(math.isfinite(v) for v in losses.values()), (name, losses)
+
+
+# ---- flags (no processes) ---------------------------------------------------------------------
+MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
+
+
+def _error(argv, capsys, world_size=1):
+    with pytest.raises(SystemExit) as e:
+        arguments.parse_args(argv, world_size=world_size)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_variant_knob_is_a_flag():
+    parser = arguments.build_parser()
+    flags = {s for a in parser._actions for s in a.option_strings}
+    for field in arguments.variant_fields():
+        assert "--" + field.name.replace("_", "-") in flags, field.name
+    variant = next(a for a in parser._actions if "--attention-variant" in a.option_strings)
+    assert set(variant.choices) == set(VARIANTS)
+    assert "SubqTransformerConfig" in parser.format_help()
+
+
+def test_config_file_and_command_line_override(tmp_path):
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("num-layers: 4\nhidden_size: 128\nsequence-parallel: true\n"
+                   "tensor_model_parallel_size: 2\nlr: 0.5\n")
+    args = arguments.parse_args(["--config", str(cfg)] + MIN[4:] + ["--num-attention-heads", "4",
+                                                                    "--lr", "0.25"], world_size=2)
+    assert (args.num_layers, args.hidden_size, args.lr) == (4, 128, 0.25)
+    assert args.sequence_parallel and args.tensor_model_parallel_size == 2
+    assert args.global_batch_size == 2 and args.ffn_hidden_size == 320  # derived as Megatron-LM
+    js = tmp_path / "r.json"
+    js.write_text(json.dumps({"attention_variant": "asa", "asa_rank": 8, "data_path": ["x"]}))
+    args = arguments.parse_args(["--config", str(js)] + MIN[:-5] + ["--tokenizer-type",
+                                                                    "NullTokenizer",
+                                                                    "--vocab-size", "9"])
+    assert args.attention_variant == "asa" and args.asa_rank == 8 and args.data_path == ["x"]
+
+
+def test_bad_flags_fail_at_start_naming_the_flag(tmp_path, capsys):
+    assert "--tensor-model-parallel-size=2" in _error(
+        MIN + ["--tensor-model-parallel-size", "2"], capsys, world_size=3)
+    assert "--global-batch-size=5" in _error(MIN + ["--global-batch-size", "5"], capsys)
+    assert "--bf16 conflicts with --fp16" in _error(MIN + ["--bf16", "--fp16"], capsys)
+    assert "--mock-data conflicts" in _error(MIN + ["--data-path", "x"], capsys)
+    assert "--lr-warmup-fraction conflicts" in _error(
+        MIN + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], capsys)
+    assert "--attention-variant" in _error(MIN + ["--attention-variant", "nope"], capsys)
+    assert "--save-interval needs --save" in _error(MIN + ["--save-interval", "2"], capsys)
+    assert "--num-query-groups=3" in _error(MIN + ["--num-query-groups", "3"], capsys)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num_layerz: 3\n")
+    assert "unknown key 'num_layerz'" in _error(["--config", str(bad)] + MIN, capsys)
+
+
+def test_bad_variant_knob_names_its_flag(capsys):
+    from megatron_subq.training.trainer import build_config
+
+    args = arguments.parse_args(MIN + ["--attention-variant", "asa", "--asa-rank", "99"],
+                                world_size=1)
+    with pytest.raises(SystemExit):
+        build_config(args)
+    assert "--asa-rank" in capsys.readouterr().err
+
+
+def test_flops_formulas():
+    from megatron_subq import SubqTransformerConfig
+    from megatron_subq.training import flops
+
+    cfg = SubqTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                num_query_groups=2, ffn_hidden_size=128)
+    L, V = 32, 256
+    h, H, G, D, F = 64, 4, 2, 16, 128
+    per_layer = (2 * L * h * (H * D + 2 * G * D) + 2 * L * H * D * h + 2 * L * h * F * 3
+                 + 4 * (L * (L + 1) // 2) * H * D)
+    expected = 3 * 8 * (2 * (per_layer) + 2 * L * h * V)
+    assert flops.flops_per_iteration(cfg, L, V, global_batch_size=8) == expected
+    # PPA: p = 1 is full causal attention, p = 0 the window of w + 1 tokens
+    assert flops.ppa_pairs(L, 1.0, 4) == L * (L + 1) // 2
+    assert flops.ppa_pairs(L, 0.0, 4) == sum(min(i, 4) + 1 for i in range(L))
+    assert flops.ppa_pairs(100, 0.5, 0) == 100 + sum(100 - j * j for j in range(1, 10))
