@@ -26,8 +26,11 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "tokenizers"],
+        # --tokenizer-model mistral reads mistral-common's packaged SentencePiece model (only the
+        # data file: `pip install --no-deps mistral-common` is enough)
         "tokenizers": ["tokenizers", "mistral-common"],
+        "logging": ["tensorboard"],
         "plots": ["matplotlib"],
     },
 )

@@ -1,4 +1,4 @@
-"""GPT with extra hidden-state streams for the QK-source variants (deconstructing-attention §3.4-3.5).
+"""GPT with extra hidden-state streams for the QK-source variants (deconstructing attention §3.4f).
 
 ``rnd_emb_qk`` / ``fixed_seq_qk`` need, at each of their layers, the hidden state of a *fixed
 input* (random ε / the embedding of a fixed text) that has run through all layers below;
@@ -6,7 +6,8 @@ input* (random ε / the embedding of a fixed text) that has run through all laye
 Both are carried as **extra rows along the batch dimension of the hidden states** between layers:
 
     hidden entering layer n:  [ real rows (b) | fixed rows (one per fixed-input variant) |
-                                token embeddings (b rows, only if a static_emb_qk layer is >= n) ]
+                                embedding-layer output of all those rows, only if a
+                                static_emb_qk layer is >= n ]
 
 ``stream_layout(config, n)`` says which streams enter layer n: a stream is carried while some
 layer >= n consumes it and dropped after its last consumer. Why this layout:
@@ -16,7 +17,9 @@ layer >= n consumes it and dropped after its last consumer. Why this layout:
   costs one extra row per micro-batch, not one per sample, and its activations and gradients come
   from autograd like any row's (see docs/variants.md for why gradients do flow through it).
 * The embedding rows must not be transformed; ``StreamTransformerLayer`` splits them off before
-  the layer and puts them back after it (one copy per layer), so the layer never sees them.
+  the layer and puts them back after it (one copy per layer), so the layer never sees them. There
+  is one per main row: a fixed input is an input too, and at a static_emb_qk layer its Q, K come
+  from its own embedding-layer output (ε / the embedded text), like a sample's.
 * Everything that moves hidden states between layers moves the streams too, with no change to
   megatron: the block's layer loop, full activation recompute (the packed tensor is the
   checkpoint input, so a recomputed layer sees its streams again), and pipeline p2p (one tensor;
@@ -62,10 +65,10 @@ class StreamLayout:
         return not self.fixed_rows and not self.embeddings
 
     def real_batch(self, packed_batch: int) -> int:
-        """b, from the packed batch size ``b + len(fixed_rows) (+ b)``."""
-        rest = packed_batch - len(self.fixed_rows)
-        b = rest // 2 if self.embeddings else rest
-        if b < 1 or (self.embeddings and rest % 2):
+        """b, from the packed batch size ``(b + len(fixed_rows)) · (2 if embeddings else 1)``."""
+        main = packed_batch // 2 if self.embeddings else packed_batch
+        b = main - len(self.fixed_rows)
+        if b < 1 or (self.embeddings and packed_batch % 2):
             raise ValueError(f"a hidden-state batch of {packed_batch} rows does not fit the stream "
                              f"layout {self}")
         return b
@@ -131,12 +134,12 @@ class StreamTransformerLayer(TransformerLayer):
 
         if layout_out.fixed_rows == layout_in.fixed_rows and not layout_out.embeddings:
             return output, context
-        parts = [output[:, :b]]
-        for name in layout_out.fixed_rows:
-            row = b + layout_in.fixed_rows.index(name)
-            parts.append(output[:, row:row + 1])
-        if layout_out.embeddings:
-            parts.append(embeddings)
+        kept_rows = [b + layout_in.fixed_rows.index(name) for name in layout_out.fixed_rows]
+        streams = [output] + ([embeddings] if layout_out.embeddings else [])
+        parts = []
+        for stream in streams:  # the embedding rows follow the main rows one to one
+            parts.append(stream[:, :b])
+            parts.extend(stream[:, row:row + 1] for row in kept_rows)
         # a fresh (viewless) tensor: pipeline schedules free a stage's output storage after sending
         return torch.cat(parts, dim=1), context
 
@@ -218,9 +221,9 @@ class StreamGPTModel(GPTModel):
         parts = [embedded]
         for name in self.entry_layout.fixed_rows:
             parts.append(self.fixed_input(name, seq).to(embedded.dtype))
-        if self.entry_layout.embeddings:
-            parts.append(embedded)
-        return torch.cat(parts, dim=1)
+        main = torch.cat(parts, dim=1)
+        # the embedding-layer output of every main row, for static_emb_qk's Q/K
+        return torch.cat([main, main], dim=1) if self.entry_layout.embeddings else main
 
     def fixed_input(self, name: str, seq: int) -> torch.Tensor:
         """The embedded fixed input of variant ``name`` for a sequence of length ``seq``:

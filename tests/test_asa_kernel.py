@@ -4,9 +4,10 @@ Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, se
 triton is imported, on small CPU shapes); the ``gpu``-marked tests cover large shapes and the half
 dtypes' tensor-core paths on a GPU.
 
-Error measure: relative RMS, ``‖x − ref‖₂ / max(‖ref‖₂, 1e-2 ‖dO‖₂)`` per output (o, dq, dk, dv,
-dp_q, dp_k), the reference computed in fp32 (O(T²) form) from the same (rounded) inputs; the floor
-only matters where a gradient is zero by the math (T = 1 with "linear"). Bounds:
+Error measure: relative RMS, ``‖x − ref‖₂ / ‖ref‖₂`` per output (o, dq, dk, dv, dp_q, dp_k), the
+reference computed in fp32 (O(T²) form) from the same (rounded) inputs — except where a gradient is
+zero by the math (T = 1 with "linear": dq, dk, dp_q, dp_k), where its largest absolute value is
+held to the same bound (inputs and dO are O(1)). Bounds:
 
 * fp32 inputs: 1e-5 (fp32 arithmetic throughout; seen ≤ 5e-7 in the interpreter);
 * fp16: 3e-3 (fp16 matmul operands with fp32 accumulation; seen ≤ 6e-4);
@@ -56,9 +57,9 @@ def _kernel_module():
 KERNEL = _kernel_module()
 
 
-def rel_rms(x: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(floor)).item()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, m, Dv, dtype, seed=0, p_std=None):
@@ -81,11 +82,13 @@ def _compare(shape, normalize, dtype, bound=None, seed=0):
     ref = asa_attention_quadratic(*ref_args, normalize=normalize)
     ref_grads = torch.autograd.grad(ref, ref_args, d_out.float())
     bound = BOUNDS[dtype] if bound is None else bound
-    # floor: a gradient that is zero by the math (T = 1 with "linear": o_0 = v_0 whatever q, k,
-    # P are) is measured against the size of dO instead of its own (zero) size
-    floor = 1e-2 * d_out.double().norm().item()
-    errors = {name: rel_rms(x, r, floor)
-              for name, x, r in zip(NAMES, (out,) + grads, (ref,) + ref_grads)}
+    errors = {name: rel_rms(x, r) for name, x, r in zip(NAMES, (out,) + grads, (ref,) + ref_grads)}
+    if shape[1] == 1 and normalize == "linear":
+        # o_0 = v_0 whatever q, k, P are: those gradients are zero by the math, so the relative
+        # error of rounding noise means nothing; check their absolute size (inputs are O(1))
+        for name, x in zip(NAMES[1:], grads):
+            if name in ("dq", "dk", "dp_q", "dp_k"):
+                errors[name] = x.abs().max().item()
     for name, x in zip(NAMES, (out,) + grads):
         assert torch.isfinite(x).all(), f"{name} has non-finite values"
     bad = {k: v for k, v in errors.items() if not v <= bound}

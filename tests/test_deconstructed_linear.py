@@ -118,7 +118,8 @@ def test_chunked_gradients_equal_quadratic():
                         approx_attention_quadratic),
                        (lambda *a: nonapprox_attention_chunked(*a, chunk_size=4)[0],
                         nonapprox_attention_quadratic)):
-        w = torch.randn(1, 11, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+        w = torch.randn(1, 11, 2, 4, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(5))
         grads = []
         for fn in (fast, slow):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -126,11 +127,11 @@ def test_chunked_gradients_equal_quadratic():
             grads.append([t.grad for t in leaves])
         for a, b in zip(*grads):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    small = [t[:, :6, :, :3].clone().requires_grad_() for t in (q, k, v)]
     assert torch.autograd.gradcheck(lambda *a: approx_attention_chunked(*a, chunk_size=4)[0],
-                                    leaves)
+                                    small)
     assert torch.autograd.gradcheck(lambda *a: nonapprox_attention_chunked(*a, chunk_size=4)[0],
-                                    leaves)
+                                    small)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,9 +187,9 @@ def test_approx_tiny_denominator_is_bounded_by_the_guard():
     assert 0 < den < 1e-6
     out = ops.approx_attention(q, k, v, eps=1e-6)
     num1 = (q * D ** -0.25 * k * D ** -0.25).sum()  # v = 1: numerator = q~.k~ v
-    o2 = 1.0  # o2 = phi(q~)(phi(k~)^T v) / phi(q~).phi(k~) = v for a single token
-    torch.testing.assert_close(out[0, 0, 0], 1.0 + num1 / 1e-6 + o2 * torch.ones(D,
-                                                                                  dtype=torch.float64))
+    # one token, v = 1: o0 = 1, o1 = num1 / eps (guarded), o2 = phi(q~).phi(k~) / same = 1
+    expected = (1.0 + num1 / 1e-6 + 1.0) * torch.ones(D, dtype=torch.float64)
+    torch.testing.assert_close(out[0, 0, 0], expected)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,7 +235,8 @@ def test_prefill_then_decode_equals_full_forward(H, H_kv):
         first, state = prefill(q[:, :5], k[:, :5], v[:, :5])  # two prefill chunks ...
         second, state = prefill(q[:, 5:split], k[:, 5:split], v[:, 5:split], state)
         assert state.length == split
-        rest = [step(q[:, t], k[:, t], v[:, t], state) for t in range(split, T)]  # ... then decode
+        # ... then decode token by token
+        rest = [step(q[:, t], k[:, t], v[:, t], state) for t in range(split, T)]
         assert state.length == T
         torch.testing.assert_close(torch.cat([first, second, torch.stack(rest, 1)], 1), full,
                                    rtol=1e-9, atol=1e-9)
@@ -290,3 +292,163 @@ def test_bad_arguments_name_the_argument():
         ops.nonapprox_decode_step(q[:, 0], k[:, 0], v[:, 0], ops.nonapprox_empty_state(2, 2, 4))
     with pytest.raises(ValueError, match="one token"):
         ops.nonapprox_decode_step(q, k, v, ops.nonapprox_empty_state(1, 2, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules and models: one spawned single-rank world for everything, one TP=2 run
+# ---------------------------------------------------------------------------------------------
+APPROX_FP64 = {"attention_variant": "approx", "params_dtype": torch.float64}
+PAPER_500M = dict(num_layers=1, hidden_size=896, num_attention_heads=14, num_query_groups=None,
+                  ffn_hidden_size=4864)
+
+
+def _repeating_batch():
+    """Sequences only a token-mixing layer can predict: a random prefix of 8 that repeats."""
+    g = torch.Generator().manual_seed(0)
+    seq = torch.cat([torch.randint(0, 64, (4, 8), generator=g)] * 5, dim=1)[:, :33]
+    return seq[:, :-1], seq[:, 1:], torch.arange(32).expand(4, 32)
+
+
+def _attention_block(cfg, variant):
+    from megatron.core.transformer.spec_utils import build_module
+
+    import megatron_subq as subq
+
+    spec = subq.VARIANTS[variant].attention_spec(cfg, 1, subq.get_backend(False))
+    return build_module(spec, config=cfg, layer_number=1)
+
+
+def model_checks(train_steps: int) -> dict:
+    """Everything that needs megatron's parallel state, in one process (TP=1)."""
+    import megatron_subq as subq
+    from megatron_subq.testing.equivalence import TINY, tiny_gpt_step
+
+    out = {"approx_fp64_tp1": tiny_gpt_step(APPROX_FP64)}  # first: same RNG as a fresh rank
+
+    # mlp's parameter match, counted on the built modules
+    counts = {}
+    for label, extra in (("tiny_gqa", {}), ("tiny_mha", {"num_query_groups": None}),
+                         ("paper_500m", PAPER_500M)):
+        cfg = subq.SubqTransformerConfig(**{**TINY, **extra, "attention_variant": "mlp"})
+        attn, mlp = (_attention_block(cfg, v) for v in ("standard", "mlp"))
+        counts[label] = {"standard": sum(p.numel() for p in attn.parameters()),
+                         "mlp": sum(p.numel() for p in mlp.parameters()), "width": mlp.width}
+    out["counts"] = counts
+
+    # the mlp block is FC_dn(SiLU(FC_gt(h)) * FC_up(h)), row-wise (no token mixing)
+    cfg = subq.SubqTransformerConfig(**{**TINY, "attention_variant": "mlp"})
+    mlp = _attention_block(cfg, "mlp")
+    h = torch.randn(5, 2, 64)
+    got, bias = mlp(h, attention_mask=None, rotary_pos_emb=None)
+    gate, up = mlp.linear_fc1.weight.chunk(2, dim=0)
+    ref = (F.silu(h @ gate.T) * (h @ up.T)) @ mlp.linear_fc2.weight.T
+    out["mlp_block"] = (got.detach(), ref.detach(), bias)
+    got_one, _ = mlp(h[2:3], attention_mask=None)
+    out["mlp_row"] = (got_one.detach(), got[2:3].detach())
+
+    # nonapprox's self-attention ignores RoPE; standard's does not
+    cfg = subq.SubqTransformerConfig(**{**TINY, "attention_variant": "nonapprox"})
+    rope = torch.randn(5, 1, 1, 16)
+    for variant in ("nonapprox", "standard"):
+        torch.manual_seed(3)
+        block = _attention_block(cfg, variant)
+        h = torch.randn(5, 2, 64)
+        with_rope = block(h, attention_mask=None, rotary_pos_emb=rope)[0]
+        without = block(h, attention_mask=None, rotary_pos_emb=None)[0]
+        out[f"rope_{variant}"] = (with_rope.detach(), without.detach())
+
+    # 2-layer hybrids learn; then the skip ablation on the trained weights
+    tokens, labels, pos = _repeating_batch()
+    out["losses"], out["skip"] = {}, {}
+    for name in ("mlp", "approx", "nonapprox"):
+        torch.manual_seed(0)
+        kwargs = {**TINY, "attention_variant": name, "layer_pattern": "hybrid"}
+        model = subq.build_gpt_model(subq.SubqTransformerConfig(**kwargs), vocab_size=64,
+                                     max_sequence_length=32)
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        out["losses"][name] = []
+        for _ in range(train_steps):
+            opt.zero_grad()
+            loss = model(tokens, pos, None, labels=labels).mean()
+            loss.backward()
+            opt.step()
+            out["losses"][name].append(loss.item())
+
+        trained = model.state_dict()
+        skipped = subq.build_gpt_model(
+            subq.SubqTransformerConfig(**kwargs, skip_variant_layers=True), vocab_size=64,
+            max_sequence_length=32)
+        skipped.load_state_dict(trained, strict=True)  # same keys: loads the trained checkpoint
+        # the reference: a 1-layer standard model holding the trained layer 2 (the standard one)
+        alone = subq.build_gpt_model(subq.SubqTransformerConfig(**{**TINY, "num_layers": 1}),
+                                     vocab_size=64, max_sequence_length=32)
+        renamed = {key.replace("decoder.layers.1.", "decoder.layers.0."): value
+                   for key, value in trained.items() if "decoder.layers.0." not in key}
+        alone.load_state_dict(renamed, strict=True)
+        for m in (model, skipped, alone):
+            m.eval()
+        with torch.no_grad():
+            out["skip"][name] = {
+                "hybrid": model(tokens, pos, None), "skipped": skipped(tokens, pos, None),
+                "standard_only": alone(tokens, pos, None),
+                "same_checkpoint_keys": set(skipped.sharded_state_dict()) == set(
+                    model.sharded_state_dict()),
+                "layer_types": [type(layer).__name__ for layer in skipped.decoder.layers]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return run_distributed(model_checks, 1, tp=1, args=(30,))[0]
+
+
+def test_mlp_is_parameter_matched(checks):
+    counts = checks["counts"]
+    # TINY (hidden 64, 4 heads, 2 groups, head dim 16): 64*(64+2*32) + 64*64 = 12288 = 3*64*64
+    assert counts["tiny_gqa"] == {"standard": 12288, "mlp": 12288, "width": 64}
+    # paper 500M (hidden 896, 14 heads, MHA): 4*896^2 = 3,211,264 vs 3*896*1192 = 3,204,096
+    assert counts["paper_500m"] == {"standard": 3211264, "mlp": 3204096, "width": 1192}
+    for label, c in counts.items():
+        assert abs(c["mlp"] - c["standard"]) <= 0.005 * c["standard"], (label, c)
+
+
+def test_mlp_block_is_gated_silu_without_token_mixing(checks):
+    got, ref, bias = checks["mlp_block"]
+    assert bias is None
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(*checks["mlp_row"], rtol=1e-6, atol=1e-6)
+
+
+def test_nonapprox_ignores_rope(checks):
+    torch.testing.assert_close(*checks["rope_nonapprox"], rtol=0, atol=0)
+    assert not torch.allclose(*checks["rope_standard"])
+
+
+def test_hybrids_train_with_falling_loss(checks):
+    for name, losses in checks["losses"].items():
+        assert all(math.isfinite(x) for x in losses), name
+        assert losses[-1] < 0.6 * losses[0], (name, losses)
+
+
+def test_skip_removes_the_variant_layers_of_a_trained_hybrid(checks):
+    for name, r in checks["skip"].items():
+        assert r["layer_types"] == ["SkippedTransformerLayer", "TransformerLayer"], name
+        assert r["same_checkpoint_keys"], name
+        torch.testing.assert_close(r["skipped"], r["standard_only"], rtol=1e-6, atol=1e-6,
+                                   msg=name)
+        assert not torch.allclose(r["skipped"], r["hybrid"], atol=1e-3), name
+
+
+def test_approx_tp2_sp_equals_tp1_in_float64(checks):
+    """The tight TP check of approx (its fp32 case in test_parallel_equivalence is looser)."""
+    from megatron_subq.testing.equivalence import tiny_gpt_step
+
+    ref = checks["approx_fp64_tp1"]
+    ranks = run_distributed(tiny_gpt_step, 2, tp=2, args=({**APPROX_FP64,
+                                                           "sequence_parallel": True},))
+    for got in ranks:
+        torch.testing.assert_close(got["logits"], ref["logits"], rtol=1e-9, atol=1e-9)
+        assert set(got["grads"]) == set(ref["grads"])
+        for pname, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][pname], g, rtol=1e-5,
+                                       atol=1e-6 * g.abs().max().item(), msg=pname)

@@ -28,6 +28,8 @@ VARIANT_CASES = [
     # hybrid: the fixed row also crosses standard layers and is dropped after its last consumer
     ("fixed_seq_qk", {"fixed_qk_tokens_file": FIXED_QK_TOKENS, "layer_pattern": "hybrid"}),
     ("static_emb_qk", {}),
+    # w=3: at seq 16 queries see up to 3 anchors (offsets 3, 8, 15) for top-2, spans reach back
+    ("superlinear", {"superlinear_sw_index": 1, "superlinear_forward_factor": 0.5}),
 ]
 
 # Looser TP gradient tolerances where a variant's own math amplifies fp32 summation-order

@@ -12,11 +12,11 @@ computed in registers from q, k and the head's ``P`` (never written to HBM)::
                           dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
                           dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c
                           dℓ = f ⊙ (df − Σ_m f ⊙ df)  (softmax), dq = dℓ_q P_Qᵀ, dk = dℓ_k P_Kᵀ
-              dP_Q = Σ qᵀ dℓ_q, dP_K = Σ kᵀ dℓ_k: one batched GEMM per head in torch.
+              dP_Q = Σ qᵀ dℓ_q, dP_K = Σ kᵀ dℓ_k: partial sums over groups of chunks (a small
+              kernel), added up in torch — deterministic, no atomics.
 
 Matmul operands are cast to the input dtype (bf16/fp16 tensor cores, or fp32 with
-``input_precision="ieee"``); every accumulation (dots, states, softmax) is fp32. Triton's
-interpreter computes bf16 ``tl.dot`` wrongly, so there (only) bf16 operands go through fp32. The chunk states
+``input_precision="ieee"``); every accumulation (dots, states, softmax) is fp32. The chunk states
 ``S_c, z_c`` (fp32, ``[B, H, NT, m, Dv]``) are written by the state kernel and read by the output
 kernel; the backward recomputes them rather than keeping them alive between passes.
 
@@ -29,16 +29,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _dot_dtype(ptr, DOT_F32: tl.constexpr):
-    """Matmul operand dtype: the input's (tensor cores), or fp32 where the interpreter's bf16 dot
-    is unusable (``DOT_F32``)."""
-    if DOT_F32:
-        return tl.float32
-    else:
-        return ptr.dtype.element_ty
 
 
 @triton.jit
@@ -77,13 +67,13 @@ def asa_fwd_states_kernel(
     T, H, G, D, M, DV, NT,
     skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (cdiv(Dv, BV), B*H): S_c, z_c before every chunk c (and the final state)."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
-    dt = _dot_dtype(k_ptr, DOT_F32)
+    dt = k_ptr.dtype.element_ty
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
@@ -123,14 +113,14 @@ def asa_fwd_out_kernel(
     T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (NT, cdiv(Dv, BV), B*H): one chunk's output. NORM: 0 linear, 1 none, 2 mean.
     o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1)."""
     c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
-    dt = _dot_dtype(q_ptr, DOT_F32)
+    dt = q_ptr.dtype.element_ty
     t0 = c * BT
     rows = t0 + tl.arange(0, BT)
     row_mask = rows < T
@@ -178,13 +168,13 @@ def asa_bwd_states_kernel(
     T, H, D, M, DV, NT,
     sqb, sqt, sqh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (cdiv(Dv, BV), B*H): dS_c = Σ_{chunks > c} q'ᵀ g and dz_c = Σ_{chunks > c} q'ᵀ r.
     dO: [B, T, H, DV] contiguous; den, r: [B, H, T] fp32."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
-    dt = _dot_dtype(q_ptr, DOT_F32)
+    dt = q_ptr.dtype.element_ty
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
@@ -227,28 +217,34 @@ def asa_bwd_chunk_kernel(
     T, H, G, D, M, DV, NT, NV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (NT, B*H): dq [B,T,H,D], dk and dv per *query* head [B,T,H,D(v)] (summed over GQA
-    groups by the caller), and the feature-logit gradients dlq, dlk [B,T,H,M] fp32 for dP."""
+    groups by the caller), and the feature-logit gradients dlq, dlk [B,T,H,M] fp32 for dP.
+
+    Registers: across the loop over Dv blocks only q', k', A (matmul dtype) and the three fp32
+    accumulators dA, dq', dk' stay live; the fp32 features for the softmax backward are
+    recomputed after it (two small matmuls instead of spilling)."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
-    dt = _dot_dtype(q_ptr, DOT_F32)
+    dt = q_ptr.dtype.element_ty
     t0 = c * BT
     rows = t0 + tl.arange(0, BT)
     row_mask = rows < T
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     feat_mask = m_idx < M
-    p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
-    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
-    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, T, sqt, d_cols, D, BT).to(dt)
-    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, T, skt, d_cols, D, BT).to(dt)
-    qf = _softmax_features(qc, p_q, feat_mask, row_mask, PREC)
-    kf = _softmax_features(kc, p_k, feat_mask, row_mask, PREC)
+    q_base = q_ptr + b * sqb + h * sqh
+    k_base = k_ptr + b * skb + hk * skh
+    qf = _softmax_features(_load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt),
+                           _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
+                           PREC).to(dt)
+    kf = _softmax_features(_load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt),
+                           _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
+                           PREC).to(dt)
     causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
-    A = tl.where(causal, tl.dot(qf.to(dt), tl.trans(kf.to(dt)), input_precision=PREC), 0.0)
+    A = tl.where(causal, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0).to(dt)
     st = pid_bh * NT + c
     if NORM != 1:
         den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
@@ -281,23 +277,61 @@ def asa_bwd_chunk_kernel(
         dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
         dqf += tl.dot(g, tl.trans(S), input_precision=PREC)
         dkf += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-        dv = tl.dot(tl.trans(A.to(dt)), g, input_precision=PREC)
-        dv += tl.dot(kf.to(dt), dS, input_precision=PREC)
+        dv = tl.dot(tl.trans(A), g, input_precision=PREC)
+        dv += tl.dot(kf, dS, input_precision=PREC)
         tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :], dv.to(dv_ptr.dtype.element_ty),
                  mask=vmask)
     dA = tl.where(causal, dA, 0.0).to(dt)
-    dqf += tl.dot(dA, kf.to(dt), input_precision=PREC)
-    dkf += tl.dot(tl.trans(dA), qf.to(dt), input_precision=PREC)
-    # softmax backward: dℓ = f ⊙ (df − Σ_m f ⊙ df); padded features have f = 0
-    dlq = qf * (dqf - tl.sum(qf * dqf, axis=1)[:, None])
-    dlk = kf * (dkf - tl.sum(kf * dkf, axis=1)[:, None])
+    dqf += tl.dot(dA, kf, input_precision=PREC)
+    dkf += tl.dot(tl.trans(dA), qf, input_precision=PREC)
     fm_mask = row_mask[:, None] & feat_mask[None, :]
-    tl.store(dlq_ptr + o_rows[:, None] * M + m_idx[None, :], dlq, mask=fm_mask)
-    tl.store(dlk_ptr + o_rows[:, None] * M + m_idx[None, :], dlk, mask=fm_mask)
-    dq = tl.dot(dlq.to(dt), tl.trans(p_q), input_precision=PREC)
-    dk = tl.dot(dlk.to(dt), tl.trans(p_k), input_precision=PREC)
     d_mask = row_mask[:, None] & (d_cols[None, :] < D)
+    # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
+    p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
+    qf32 = _softmax_features(_load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt), p_q,
+                             feat_mask, row_mask, PREC)
+    dlq = qf32 * (dqf - tl.sum(qf32 * dqf, axis=1)[:, None])
+    tl.store(dlq_ptr + o_rows[:, None] * M + m_idx[None, :], dlq, mask=fm_mask)
+    dq = tl.dot(dlq.to(dt), tl.trans(p_q), input_precision=PREC)
     tl.store(dq_ptr + o_rows[:, None] * D + d_cols[None, :], dq.to(dq_ptr.dtype.element_ty),
              mask=d_mask)
+    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    kf32 = _softmax_features(_load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt), p_k,
+                             feat_mask, row_mask, PREC)
+    dlk = kf32 * (dkf - tl.sum(kf32 * dkf, axis=1)[:, None])
+    tl.store(dlk_ptr + o_rows[:, None] * M + m_idx[None, :], dlk, mask=fm_mask)
+    dk = tl.dot(dlk.to(dt), tl.trans(p_k), input_precision=PREC)
     tl.store(dk_ptr + o_rows[:, None] * D + d_cols[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=d_mask)
+
+
+@triton.jit
+def asa_bwd_dp_kernel(
+    x_ptr, dl_ptr, dp_part_ptr,
+    T, H, G, D, M, NT, CPG,
+    sxb, sxt, sxh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+):
+    """grid (cdiv(NT, CPG), B*H): partial dP[h] = Σ xᵀ dℓ over CPG chunks of one (batch, head).
+
+    x: q or k ([B, T, H_x, D], head h // G); dℓ: [B, T, H, M] fp32; dp_part: [NG, B*H, D, M]
+    fp32, summed over its first two dims by the caller (deterministic, no atomics)."""
+    grp, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hx = h // G
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    acc = tl.zeros([BD, BM], dtype=tl.float32)
+    x_base = x_ptr + b * sxb + hx * sxh
+    for i in range(0, CPG):
+        t0 = (grp * CPG + i) * BT
+        rows = t0 + tl.arange(0, BT)
+        row_mask = rows < T
+        xc = _load_rows(x_base, t0, T, sxt, d_cols, D, BT).to(tl.float32)
+        o_rows = (b * T + rows) * H + h
+        dl = tl.load(dl_ptr + o_rows[:, None] * M + m_idx[None, :],
+                     mask=row_mask[:, None] & (m_idx[None, :] < M), other=0.0)
+        acc += tl.dot(tl.trans(xc), dl, input_precision=PREC)
+    out = (grp * tl.num_programs(1) + pid_bh) * D * M
+    tl.store(dp_part_ptr + out + d_cols[:, None] * M + m_idx[None, :], acc,
+             mask=(d_cols[:, None] < D) & (m_idx[None, :] < M))

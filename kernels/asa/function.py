@@ -8,7 +8,9 @@ final state an output without gradient (for prefill/decode, not for training thr
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import json
+import os
+from typing import Optional
 
 import torch
 import triton
@@ -17,13 +19,14 @@ from megatron_subq.ops.dispatch import triton_interpreting
 
 from .chunk import (
     asa_bwd_chunk_kernel,
+    asa_bwd_dp_kernel,
     asa_bwd_states_kernel,
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
 
 NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
-CHUNK = 64  # tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles
+LAUNCH_ENV = "MEGATRON_SUBQ_ASA_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -31,17 +34,27 @@ def _pow2(n: int, floor: int = 16) -> int:
 
 
 def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
+
+    BT: tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles); BV_*: Dv
+    block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
+    per program of the dP reduction. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
+    """
     BD, BM, BV_all = _pow2(D), _pow2(m), _pow2(Dv)
-    return dict(
-        BT=CHUNK, BD=BD, BM=BM,
-        BV_state=min(64, BV_all),  # state kernels: split Dv for more programs in the scan
+    big = max(BD, BM, BV_all) > 64
+    cfg = dict(
+        BT=64, BD=BD, BM=BM,
+        BV_state=min(64, BV_all),  # state scans: split Dv for more programs in the scan
         BV_out=min(128, BV_all),
         BV_bwd=min(64, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
-        DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
-        warps=4 if max(BD, BV_all) <= 64 else 8,
+        state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
+        stages=2, CPG=16,
     )
+    overrides = os.environ.get(LAUNCH_ENV)
+    if overrides:
+        cfg.update(json.loads(overrides))
+    return cfg
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +77,24 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
         T, H, G, D, m, Dv, NT,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"],
-        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
-        num_warps=cfg["warps"], num_stages=2)
+        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg["PREC"],
+        num_warps=cfg["state_warps"], num_stages=cfg["stages"])
     return states, zs, (s_final, z_final) if store_final else None
+
+
+def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
+    """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
+    B, T, _, D = x.shape
+    H, m = dl.shape[2], dl.shape[3]
+    NT = triton.cdiv(T, cfg["BT"])
+    cpg = max(1, min(cfg["CPG"], NT))
+    n_groups = triton.cdiv(NT, cpg)
+    part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
+    asa_bwd_dp_kernel[(n_groups, B * H)](
+        x, dl, part, T, H, G, D, m, NT, cpg, x.stride(0), x.stride(1), x.stride(2),
+        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], PREC=cfg["PREC"],
+        num_warps=cfg["dp_warps"], num_stages=cfg["stages"])
+    return part.sum(dim=(0, 1))
 
 
 class ASAChunkFunction(torch.autograd.Function):
@@ -96,7 +124,7 @@ class ASAChunkFunction(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=norm,
-            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+            PREC=cfg["PREC"], num_warps=cfg["out_warps"], num_stages=cfg["stages"])
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0)
         ctx.cfg, ctx.norm = cfg, norm
         if final is None:
@@ -126,7 +154,7 @@ class ASAChunkFunction(torch.autograd.Function):
             q, p_q, d_o, den, r, dstates, dzs,
             T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
             BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], NORM=norm,
-            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+            PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
@@ -141,16 +169,14 @@ class ASAChunkFunction(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
-            PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"], num_stages=2)
+            PREC=cfg["PREC"], num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
         else:
             dk, dv = dk_h, dv_h
-        # dP = Σ_{b,t} xᵀ dℓ per head: one batched GEMM each, in fp32
-        dp_q = torch.einsum("bthd,bthm->hdm", q.float(), dlq).to(p_q.dtype)
-        dp_k = torch.einsum("btgd,btgjm->gjdm", k.float(),
-                            dlk.view(B, T, H_kv, G, m)).reshape(H, D, m).to(p_k.dtype)
+        dp_q = _param_grad(q, dlq, 1, cfg).to(p_q.dtype)
+        dp_k = _param_grad(k, dlk, G, cfg).to(p_k.dtype)
         return dq, dk, dv, dp_q, dp_k, None, None, None, None
 
 
@@ -171,8 +197,14 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
         s0, z0 = initial_state
         if s0.dtype != torch.float32 or z0.dtype != torch.float32:
             raise ValueError("asa_attention_kernel: initial_state must be float32 (S, z)")
+    out_dtype = q.dtype
+    if out_dtype == torch.bfloat16 and triton_interpreting():
+        # Triton's interpreter computes bf16 tl.dot wrongly: there (only) run on fp32 copies;
+        # autograd casts the gradients back to bf16
+        q, k, v, p_q, p_k = (x.float() for x in (q, k, v, p_q, p_k))
     o, s_t, z_t = ASAChunkFunction.apply(q, k, v, p_q, p_k, normalize, s0, z0,
                                          bool(output_final_state))
+    o = o.to(out_dtype)
     if output_final_state:
         return o, ASAState(s_t, z_t)
     return o

@@ -1,4 +1,4 @@
-"""approx: the deconstructing-attention paper's Taylor-form linear attention (Appendix I, Eq. 14-17).
+"""approx: deconstructing-attention's Taylor-form linear attention (Appendix I, Eq. 14-17).
 
 Per head, with q and k pre-scaled by ``d_h^{-1/4}`` (so that ``q~.k~ = q.k / sqrt(d_h)``, the
 softmax logit it stands in for) and ``phi(x) = x * x / sqrt(2)`` (element-wise square)::
@@ -63,8 +63,8 @@ def _prescale(x: torch.Tensor) -> torch.Tensor:
 
 
 def safe_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
-    """``den`` with every entry of magnitude below ``eps`` replaced by ``+-eps`` (sign kept, +eps for
-    zero), so that a division by it is finite."""
+    """``den`` with every entry of magnitude below ``eps`` replaced by ``+-eps`` (sign kept, +eps
+    for zero), so that a division by it is finite."""
     guard = torch.where(den < 0, -eps, eps).to(den.dtype)
     return torch.where(den.abs() < eps, guard, den)
 
@@ -156,7 +156,7 @@ def approx_decode_step(q, k, v, state: ApproxState, eps: float = DEFAULT_EPS) ->
     B, _, H, H_kv, D = check_qkv(op, q[:, None], k[:, None], v[:, None])
     _check_eps(op, eps)
     _check_state(op, state, B, H_kv, D)
-    qs = _prescale(q).view(B, H_kv, H // H_kv, D)
+    qs = _prescale(q).reshape(B, H_kv, H // H_kv, D)
     ks = _prescale(k)
     vf = v.to(ks.dtype)
     sums = [t.to(ks.dtype) for t in state.tensors()]
@@ -215,8 +215,9 @@ def approx_attention_chunked(q, k, v, eps: float = DEFAULT_EPS, chunk_size: int 
                              ) -> Tuple[torch.Tensor, ApproxState]:
     """Eq. 14-17 in O(T * D^2): chunks of ``chunk_size`` tokens, running states between chunks.
 
-    q: [B, T, H, D]; k, v: [B, T, H_kv, D]. ``state`` (default: empty) is the sequence so far; it
-    is not modified. Returns (out [B, T, H, D] in q.dtype, the state after the T tokens).
+    q: [B, T, H, D]; k, v: [B, T, H_kv, D]. ``state`` (default: empty, in the accumulation
+    dtype) is the sequence so far; it is not modified. Returns (out [B, T, H, D] in q.dtype, the
+    state after the T tokens).
     """
     op = "approx_attention"
     B, T, H, H_kv, D = check_qkv(op, q, k, v)
@@ -226,19 +227,20 @@ def approx_attention_chunked(q, k, v, eps: float = DEFAULT_EPS, chunk_size: int 
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size={chunk_size!r} is invalid: allowed a positive integer")
     if state is None:
-        state = approx_empty_state(B, H_kv, D, device=q.device)
+        state = approx_empty_state(B, H_kv, D, device=q.device,
+                                   dtype=accumulation_dtype(q.dtype))
     _check_state(op, state, B, H_kv, D)
     G, C = H // H_kv, min(chunk_size, T)
     N = -(-T // C)
     pad = N * C - T  # zero tokens at the end change no earlier output and no running sum
 
     def chunks(x):  # [B, T, h, D] -> [B, N, C, h, D]
-        return F.pad(x, (0, 0, 0, 0, 0, pad)).view(B, N, C, *x.shape[2:])
+        return F.pad(x, (0, 0, 0, 0, 0, pad)).reshape(B, N, C, *x.shape[2:])
 
     qs, ks = _prescale(q), _prescale(k)
     vf = v.to(ks.dtype)
     s0 = [t.to(ks.dtype) for t in state.tensors()]
-    qc, kc, vc = chunks(qs).view(B, N, C, H_kv, G, D), chunks(ks), chunks(vf)
+    qc, kc, vc = chunks(qs).reshape(B, N, C, H_kv, G, D), chunks(ks), chunks(vf)
     o1, kv1, sum_k1 = _chunked_term(qc, kc, vc, s0[3], s0[1], eps)
     o2, kv2, sum_k2 = _chunked_term(_phi2(qc), _phi2(kc), vc, s0[4], s0[2], eps)
 

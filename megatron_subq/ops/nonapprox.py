@@ -1,4 +1,4 @@
-"""nonapprox: softmax over time of one self-gated scalar per token (deconstructing-attention, Eq. 7-8, 18).
+"""nonapprox: softmax over time of one self-gated scalar per token (Eq. 7-8 and 18).
 
 Per head::
 
@@ -138,7 +138,8 @@ def nonapprox_attention_chunked(q, k, v, chunk_size: int = DEFAULT_CHUNK,
                                 ) -> Tuple[torch.Tensor, NonapproxState]:
     """Eq. 18 in chunks with a running max (O(T * C * D)). q: [B, T, H, D]; k, v: [B, T, H_kv, D].
 
-    ``state`` (default: empty) is the sequence so far; it is not modified. Returns (out
+    ``state`` (default: empty, in the accumulation dtype) is the sequence so far; it is not
+    modified. Returns (out
     [B, T, H, D] in q.dtype, the state after the T tokens).
     """
     op = "nonapprox_attention"
@@ -148,7 +149,7 @@ def nonapprox_attention_chunked(q, k, v, chunk_size: int = DEFAULT_CHUNK,
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"{op}: chunk_size={chunk_size!r} is invalid: allowed a positive integer")
     if state is None:
-        state = nonapprox_empty_state(B, H, D, device=q.device)
+        state = nonapprox_empty_state(B, H, D, device=q.device, dtype=accumulation_dtype(q.dtype))
     _check_state(op, state, B, H, D)
     s = token_scores(q, k)  # [B, T, H]
     vf = repeat_kv(v, H).to(s.dtype)

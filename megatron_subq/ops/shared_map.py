@@ -22,9 +22,33 @@ from .standard import standard_attention_reference
 _OP = "shared_map_attention"
 
 
+class _SoftmaxTo(torch.autograd.Function):
+    """softmax over the last dim in fp32, returned (and saved for backward) in ``dtype``.
+
+    Autograd's own softmax would keep its fp32 output *and* the half-precision copy the next GEMM
+    saves (6 bytes per map entry); this keeps only the copy (2 bytes, the paper's ``2L²h``) and
+    runs the backward in fp32 from it, as megatron's fused softmax does.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        probs = scores.float().softmax(dim=-1).to(dtype)
+        ctx.save_for_backward(probs)
+        ctx.scores_dtype = scores.dtype
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (probs,) = ctx.saved_tensors
+        p, g = probs.float(), grad.float()
+        return (p * (g - (g * p).sum(dim=-1, keepdim=True))).to(ctx.scores_dtype), None
+
+
 def shared_map_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = True,
-                      scale: Optional[float] = None) -> torch.Tensor:
-    """The shared map in fp32: q ``[1, T, H, D]``, k ``[1, T, H_kv, D]`` -> ``[H, T, T]``."""
+                      scale: Optional[float] = None, dtype: Optional[torch.dtype] = None
+                      ) -> torch.Tensor:
+    """The shared map: q ``[1, T, H, D]``, k ``[1, T, H_kv, D]`` -> ``[H, T, T]`` in ``dtype``
+    (default q's), scores and softmax computed in fp32."""
     H, H_kv, D = q.shape[2], k.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     group = H // H_kv
@@ -35,7 +59,7 @@ def shared_map_scores(q: torch.Tensor, k: torch.Tensor, causal: bool = True,
         T = q.shape[1]
         mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(dim=-1)
+    return _SoftmaxTo.apply(scores, q.dtype if dtype is None else dtype)
 
 
 def shared_map_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -65,7 +89,7 @@ def shared_map_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, caus
         return standard_attention_reference(q.expand(expand), k.expand(expand), v,
                                             causal=causal, scale=scale)
     group = H // H_kv
-    attn = shared_map_scores(q, k, causal=causal, scale=scale).to(v.dtype)  # [H, T, T]
+    attn = shared_map_scores(q, k, causal=causal, scale=scale, dtype=v.dtype)  # [H, T, T]
     # [H, T, T] -> [H_kv, G*T, T]; v -> [H_kv, T, B*D]: one bmm covers every sample of a group
     attn = attn.reshape(H_kv, group * T, T)
     vf = v.permute(2, 1, 0, 3).reshape(H_kv, T, B * D)

@@ -277,6 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None, help="checkpoint folder to resume from")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist",))
+    _bool_flag(g, "--dist-ckpt-optim-fully-reshardable", True,
+               "save the distributed optimizer's state per parameter, so it loads at any "
+               "TP/PP/DP (--no-...: per-rank buffers, faster, DP resharding only)")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="load this iteration instead of the tracker file's")
     _bool_flag(g, "--save-optim", True, "save optimizer + scheduler state (Megatron-LM: "
@@ -457,6 +460,15 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("--lr-warmup-fraction conflicts with --lr-warmup-iters/--lr-warmup-samples")
     if args.lr_warmup_iters and args.lr_warmup_samples:
         parser.error("--lr-warmup-iters conflicts with --lr-warmup-samples")
+    if not args.skip_train and args.lr_warmup_fraction is None:
+        gbs = args.global_batch_size
+        warmup = args.lr_warmup_iters * gbs if args.train_samples is None else \
+            args.lr_warmup_samples
+        decay = ((args.lr_decay_iters or args.train_iters) * gbs if args.train_samples is None
+                 else args.lr_decay_samples or args.train_samples)
+        if warmup >= decay:
+            parser.error("the LR warm-up (--lr-warmup-iters/--lr-warmup-samples) must be shorter "
+                         "than the decay (--lr-decay-iters/--train-iters)")
     if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and \
             args.lr_wsd_decay_samples is None:
         parser.error("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")

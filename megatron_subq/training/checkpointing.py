@@ -23,6 +23,7 @@ not restored.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -42,7 +43,14 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+
+
+def optimizer_metadata(args) -> dict:
+    """How the distributed optimizer lays out its state: 'fully_reshardable' (gathered per
+    parameter on DP rank 0; loads at any TP/PP/DP) or 'dp_reshardable' (each rank its own
+    buffers, faster at scale; loads at another DP size only)."""
+    kind = "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+    return {"distrib_optim_sharding_type": kind}
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -129,14 +137,75 @@ def _saved_args(args) -> dict:
     return out
 
 
+def _ensure_adam_state(optimizer) -> None:
+    """Give a fresh distributed Adam its (zero) moments and step before a load request is built.
+
+    Without Apex/Transformer Engine, ``DistributedOptimizer.state_dict`` reads every parameter's
+    ``step`` and fails on an optimizer that has not stepped yet; the loaded values replace these.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or not isinstance(inner, torch.optim.Adam):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p]["step"] = torch.tensor(0.0)
+                    inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                    inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+@contextlib.contextmanager
+def _step_tolerant_param_state_load(optimizer):
+    """Work around megatron-core 0.16.1 without Apex/Transformer Engine (torch's Adam), where
+    loading a distributed optimizer (1) copies every key of the live per-parameter state, torch's
+    ``step`` included, from the checkpoint's tensors, which hold no ``step`` (KeyError): hide it
+    while the tensors are copied; and (2) leaves one ``step`` tensor shared by all parameters."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415
+
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def tolerant(model_param, tensors, _opt=opt, _original=original):
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state[main_param]
+            step = state.pop("step", None) if "step" not in tensors else None
+            try:
+                _original(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = tolerant
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # back to the class's method
+            # the same path gives every parameter one shared ``step`` tensor, which torch's Adam
+            # then increments once per parameter per step (wrong bias correction): un-share it
+            for state in opt.optimizer.state.values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].detach().clone()
+
+
 def _state_dict(model, optimizer, scheduler, with_optimizer: bool, with_rng: bool,
-                is_loading: bool) -> dict:
+                is_loading: bool, optim_metadata: Optional[dict] = None) -> dict:
     state = {}
     for i, chunk in enumerate(model):
         state["model" if len(model) == 1 else f"model{i}"] = unwrap(chunk).sharded_state_dict()
     if with_optimizer:
+        if is_loading:
+            _ensure_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                          metadata=OPTIMIZER_METADATA)
+                                                          metadata=optim_metadata)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_state()
@@ -166,9 +235,11 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler, consumed_
                 shutil.rmtree(stale)
         os.makedirs(partial)
     _barrier()
+    metadata = optimizer_metadata(args)
     state = _state_dict(model, optimizer, scheduler, with_optimizer=args.save_optim,
-                        with_rng=args.save_rng, is_loading=False)
+                        with_rng=args.save_rng, is_loading=False, optim_metadata=metadata)
     state.update(args=_saved_args(args), checkpoint_version=CHECKPOINT_VERSION,
+                 optimizer_metadata=metadata,
                  iteration=iteration, consumed_train_samples=consumed_train_samples,
                  num_floating_point_operations_so_far=flops_so_far)
     dist_checkpointing.save(state, partial, get_default_save_sharded_strategy(args.ckpt_format),
@@ -210,11 +281,18 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
                   and has_optimizer)
     load_rng = args.load_rng and not args.finetune and not resharding and "rng_state" in \
         _sharded_keys(folder)
+    metadata = common.get("optimizer_metadata") or {}
     if resharding:
         log(f"resharding checkpoint from (TP, PP)={saved_layout} to {layout}; RNG states are not "
             "restored")
+        if (load_optim and args.use_distributed_optimizer and saved.get("use_distributed_optimizer")
+                and metadata.get("distrib_optim_sharding_type") == "dp_reshardable"):
+            raise ValueError(
+                f"--load {root}: the distributed optimizer state of {folder} was saved with "
+                "--no-dist-ckpt-optim-fully-reshardable and cannot change TP/PP size; load it "
+                "with --no-load-optim (weights only) or at (TP, PP)=" + str(saved_layout))
     request = _state_dict(model, optimizer, scheduler, with_optimizer=load_optim,
-                          with_rng=load_rng, is_loading=True)
+                          with_rng=load_rng, is_loading=True, optim_metadata=metadata or None)
     state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     for i, chunk in enumerate(model):
@@ -225,7 +303,8 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
             raise RuntimeError(f"checkpoint {folder} does not match the model: missing={missing} "
                                f"unexpected={unexpected}")
     if load_optim:
-        optimizer.load_state_dict(state["optimizer"])
+        with _step_tolerant_param_state_load(optimizer):
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 main params from the loaded weights

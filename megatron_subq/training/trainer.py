@@ -336,12 +336,14 @@ def _run(args) -> Dict:
                               args.tensor_model_parallel_size)
     config = build_config(args)
     model = build_model(args, config, vocab)
-    optimizer, scheduler = build_optimizer(args, model)
+    optimizer = scheduler = None
+    if not args.skip_train:  # evaluation only needs the weights
+        optimizer, scheduler = build_optimizer(args, model)
 
     from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
 
     config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
+    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
     if args.overlap_grad_reduce:
         config.no_sync_func = model[0].no_sync
     if args.overlap_param_gather:
@@ -370,7 +372,7 @@ def _run(args) -> Dict:
         try:
             iteration, consumed, flops_so_far = load_checkpoint(args, model, optimizer, scheduler,
                                                                 log=print_rank_0)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, ValueError) as e:
             arguments.fail(args, str(e))
     loaded_iteration = iteration
 
@@ -418,8 +420,7 @@ def _run(args) -> Dict:
         consumed += args.global_batch_size
         flops_so_far += flops_iter
         loss = None if loss_sum is None else (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
-        lr = optimizer.param_groups[0]["lr"] if optimizer.param_groups else scheduler.get_lr(
-            scheduler.optimizer.param_groups[0])
+        lr = optimizer.param_groups[0]["lr"]
         logger.log_iteration(iteration, consumed, elapsed, lr, loss, grad_norm, skipped,
                              getattr(optimizer, "get_loss_scale", lambda: torch.tensor(1.0))())
         if loss is not None:

@@ -1,4 +1,4 @@
-"""approx: the deconstructing-attention paper's Taylor-form linear attention (Appendix I, Eq. 14-17).
+"""approx: deconstructing-attention's Taylor-form linear attention (Appendix I, Eq. 14-17).
 
 Only the attention core changes: megatron's ``SelfAttention`` (fused QKV column-parallel
 projection, RoPE, GQA, row-parallel output) with ``ApproxCoreAttention``, which calls

@@ -32,12 +32,13 @@ _FIELD = "fixed_qk_tokens_file"
 def load_fixed_tokens(path) -> torch.Tensor:
     """The token ids of ``path`` as a 1-D int64 tensor; ValueError naming the field otherwise."""
     if path is None:
-        raise ValueError(f"{_FIELD}=None is invalid with fixed_seq_qk layers: allowed the path of "
-                         "a token-id file (.npy 1-D integer array, or whitespace-separated integers)")
+        raise ValueError(f"{_FIELD}=None is invalid with fixed_seq_qk layers: allowed the path "
+                         "of a token-id file (.npy 1-D integer array, or whitespace-separated "
+                         "integers)")
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise ValueError(f"{_FIELD}={path!r} is invalid: no such file; allowed an existing token-id "
-                         "file")
+        raise ValueError(f"{_FIELD}={path!r} is invalid: no such file; allowed an existing "
+                         "token-id file")
     if path.endswith(".npy"):
         import numpy as np  # noqa: PLC0415
 

@@ -75,7 +75,9 @@ def mlp_width(config) -> int:
 
 
 class GatedMLPAttention(MLP):
-    """``FC_dn(SiLU(FC_gt(h)) * FC_up(h))`` in the attention slot. [s, b, d] -> ([s, b, d], bias)."""
+    """``FC_dn(SiLU(FC_gt(h)) * FC_up(h))`` in the attention slot.
+
+    [s, b, d] -> ([s, b, d], bias); ``linear_fc1`` = [FC_gt; FC_up], ``linear_fc2`` = FC_dn."""
 
     def __init__(self, config, submodules: MLPSubmodules, layer_number: int = 1,
                  pg_collection=None, **_attention_kwargs):

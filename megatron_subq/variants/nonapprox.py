@@ -1,4 +1,4 @@
-"""nonapprox: softmax over time of one self-gated scalar per token (deconstructing-attention Eq. 7-8).
+"""nonapprox: softmax over time of one self-gated scalar per token (Eq. 7-8 of the paper).
 
 ``s_j = sum(SiLU(q_j) * k_j) / sqrt(d_h)``, ``o_i = sum_{j<=i} exp(s_j) v_j / sum_{j<=i} exp(s_j)``.
 megatron's ``SelfAttention`` (fused QKV projection, GQA, row-parallel output) around

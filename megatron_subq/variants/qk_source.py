@@ -115,7 +115,7 @@ class QKSourceAttention(Attention):
         v ``[s, b, ng, hn]``; b_qk is 1 for a shared row, b for a per-sample source."""
         if key_value_states is not None or output_gate or not split_qkv:
             raise ValueError(f"{type(self).__name__}: cross attention, attention_output_gate and "
-                             "fused_single_qkv_rope are not supported; allowed: plain self-attention")
+                             "fused_single_qkv_rope are not supported; allowed: self-attention")
         source = self._qk_source
         if source is None:
             raise RuntimeError(

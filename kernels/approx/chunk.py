@@ -1,0 +1,417 @@
+"""Triton kernels of approx: the deconstructing-attention paper's three-term linear attention.
+
+Per (batch, query head), q and k pre-scaled by ``σ = D^{-1/4}``; two feature maps of the scaled
+vectors, ``f1(x) = x`` and ``f2(x) = x ⊙ x / √2`` (element-wise: D features each, so both states
+are D × D — the element-wise square ``Σ_d q_d² k_d²`` is not the Based-style ``(q·k)²`` with D²
+features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states entering chunk c
+``S = Σ_{j<c} bᵀ v`` (D × D), ``z = Σ_{j<c} b``, ``sv = Σ_{j<c} v``::
+
+    forward   states (sequential in c):  S1, S2, z1, z2, sv before every chunk (and the final ones)
+              output (parallel):  A_t = tril(a_t b_tᵀ),  den_t = A_t 1 + a_t·z_t,  d_t = safe(den_t)
+                                  o_t = (A_t v + a_t S_t) / d_t   (t = 1, 2),
+                                  o0  = (sv + tril(1) v) / n_i   (n_i = tokens so far, this one included)
+                                  o   = o0 + o1 + o2
+    backward  r_t = dden_t = −[|den_t| ≥ eps] (dO·o_t) / d_t  (safe() is constant where it guards),
+              reverse states (sequential): dS_t = Σ_{i>c} (a_t/d_t)ᵀ dO,  dz_t = Σ_{i>c} r_t a_t,
+                                           dsv = Σ_{i>c} dO / n          (summed over the GQA group)
+              per chunk: E_t = tril(dO vᵀ / d_t + r_t 1ᵀ)
+                         da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ,   db_t = E_tᵀ a_t + v dS_tᵀ + dz_t
+                         dv   = tril(A1/d1 + A2/d2 + 1/n)ᵀ dO + b1 dS1 + b2 dS2 + dsv
+                         dq = σ (da1 + √2 q~ ⊙ da2),  dk = σ (db1 + √2 k~ ⊙ db2)
+
+``safe`` replaces ``|den| < eps`` by ``±eps`` (sign kept, +eps for 0), exactly as
+``megatron_subq.ops.approx.safe_denominator``. Chunk states ``S`` are stored in the matmul operand
+dtype (the input's for bf16/fp16 — they are rounded to it for the tensor cores anyway — fp32 for
+fp32 inputs) as ``[B, H_kv, NT, D, D]``; ``z, sv`` and every accumulation are fp32. The state
+kernels split S into ``BK × BV`` blocks, one program each, for parallelism; the backward
+recomputes the forward states rather than keeping them alive. Triton's interpreter mis-computes
+bf16 dots, so there (only) bf16 operands go through fp32 (``DOT_F32``).
+
+Layout: q ``[B, T, H, D]``, k, v ``[B, T, H_kv, D]`` contiguous; D padded to a power of two ≥ 16
+with masked loads (padded features and padded tokens are 0 and add nothing).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INV_SQRT2 = 0.7071067811865476
+SQRT2 = 1.4142135623730951
+
+
+@triton.jit
+def _operand(x, like_ptr, DOT_F32: tl.constexpr):
+    """x cast to the matmul operand dtype: the input's (tensor cores) or fp32 in the interpreter."""
+    if DOT_F32:
+        return x.to(tl.float32)
+    else:
+        return x.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
+    """``[BT, len(cols)]`` fp32 rows t0.. of a ``[T, ...]`` slice (zeros outside)."""
+    rows = t0 + tl.arange(0, BT)
+    mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
+def _square(x):
+    """The second-order feature map: x ⊙ x / √2."""
+    return x * x * INV_SQRT2
+
+
+@triton.jit
+def _safe(den, eps):
+    """den with |den| < eps replaced by ±eps (sign kept, +eps for 0)."""
+    guard = tl.where(den < 0, -eps, eps)
+    return tl.where(tl.abs(den) < eps, guard, den)
+
+
+# ------------------------------------------------------------------------------------------
+# forward
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def approx_fwd_states_kernel(
+    k_ptr, v_ptr, s1_0, s2_0, z1_0, z2_0, sv_0,
+    s1_ptr, s2_ptr, z_ptr, sv_ptr, s1_f, s2_f, z1_f, z2_f, sv_f,
+    T, HKV, D, NT, scale,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr,
+    STORE_FINAL: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv): the [BK, BV] blocks of S1, S2 entering every
+    chunk (z from the programs with pid_v = 0, sv from those with pid_k = 0), and the final ones.
+
+    s1_ptr, s2_ptr: [B, H_kv, NT, D, D]; z_ptr: [B, H_kv, NT, 2, D]; sv_ptr: [B, H_kv, NT, D]."""
+    pid_k, pid_v, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    k_cols = pid_k * BK + tl.arange(0, BK)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    k_ok, v_ok = k_cols < D, v_cols < D
+    s_off = k_cols[:, None] * D + v_cols[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    if HAS_STATE:
+        S1 = tl.load(s1_0 + pid_bk * D * D + s_off, mask=s_mask, other=0.0)
+        S2 = tl.load(s2_0 + pid_bk * D * D + s_off, mask=s_mask, other=0.0)
+        z1 = tl.load(z1_0 + pid_bk * D + k_cols, mask=k_ok, other=0.0)
+        z2 = tl.load(z2_0 + pid_bk * D + k_cols, mask=k_ok, other=0.0)
+        sv = tl.load(sv_0 + pid_bk * D + v_cols, mask=v_ok, other=0.0)
+    else:
+        S1 = tl.zeros([BK, BV], dtype=tl.float32)
+        S2 = tl.zeros([BK, BV], dtype=tl.float32)
+        z1 = tl.zeros([BK], dtype=tl.float32)
+        z2 = tl.zeros([BK], dtype=tl.float32)
+        sv = tl.zeros([BV], dtype=tl.float32)
+    base = (b * T * HKV + hk) * D
+    for c in range(NT):
+        out = pid_bk * NT + c
+        tl.store(s1_ptr + out * D * D + s_off, S1.to(s1_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(s2_ptr + out * D * D + s_off, S2.to(s2_ptr.dtype.element_ty), mask=s_mask)
+        if pid_v == 0:
+            tl.store(z_ptr + out * 2 * D + k_cols, z1, mask=k_ok)
+            tl.store(z_ptr + out * 2 * D + D + k_cols, z2, mask=k_ok)
+        if pid_k == 0:
+            tl.store(sv_ptr + out * D + v_cols, sv, mask=v_ok)
+        t0 = c * BT
+        b1 = _tile(k_ptr + base, t0, T, HKV * D, k_cols, D, BT) * scale
+        b2 = _square(b1)
+        v = _tile(v_ptr + base, t0, T, HKV * D, v_cols, D, BT)
+        vo = _operand(v, k_ptr, DOT_F32)
+        S1 += tl.dot(tl.trans(_operand(b1, k_ptr, DOT_F32)), vo, input_precision=PREC)
+        S2 += tl.dot(tl.trans(_operand(b2, k_ptr, DOT_F32)), vo, input_precision=PREC)
+        z1 += tl.sum(b1, axis=0)
+        z2 += tl.sum(b2, axis=0)
+        sv += tl.sum(v, axis=0)
+    if STORE_FINAL:
+        tl.store(s1_f + pid_bk * D * D + s_off, S1, mask=s_mask)
+        tl.store(s2_f + pid_bk * D * D + s_off, S2, mask=s_mask)
+        if pid_v == 0:
+            tl.store(z1_f + pid_bk * D + k_cols, z1, mask=k_ok)
+            tl.store(z2_f + pid_bk * D + k_cols, z2, mask=k_ok)
+        if pid_k == 0:
+            tl.store(sv_f + pid_bk * D + v_cols, sv, mask=v_ok)
+
+
+@triton.jit
+def approx_fwd_out_kernel(
+    q_ptr, k_ptr, v_ptr, s1_ptr, s2_ptr, z_ptr, sv_ptr,
+    o_ptr, o1_ptr, o2_ptr, den_ptr,
+    T, H, HKV, G, D, NT, L0, scale, eps,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BV), NT, B*H): o, o1, o2 of chunk c for a block of BV value columns, and the
+    raw denominators den1, den2 ([B, H, 2, T] fp32; V-block 0)."""
+    pid_v, c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    d_cols = tl.arange(0, BD)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    kv_base = (b * T * HKV + hk) * D
+    a1 = _tile(q_ptr + (b * T * H + h) * D, t0, T, H * D, d_cols, D, BT) * scale
+    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
+    a2, b2 = _square(a1), _square(b1)
+    causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
+    A1 = tl.dot(_operand(a1, q_ptr, DOT_F32), tl.trans(_operand(b1, q_ptr, DOT_F32)),
+                input_precision=PREC)
+    A2 = tl.dot(_operand(a2, q_ptr, DOT_F32), tl.trans(_operand(b2, q_ptr, DOT_F32)),
+                input_precision=PREC)
+    A1 = tl.where(causal, A1, 0.0)
+    A2 = tl.where(causal, A2, 0.0)
+    st = pid_bh // H * HKV + hk  # the (b, kv head) of the states
+    z_base = z_ptr + (st * NT + c) * 2 * D
+    z1 = tl.load(z_base + d_cols, mask=d_cols < D, other=0.0)
+    z2 = tl.load(z_base + D + d_cols, mask=d_cols < D, other=0.0)
+    den1 = tl.sum(A1, axis=1) + tl.sum(a1 * z1[None, :], axis=1)
+    den2 = tl.sum(A2, axis=1) + tl.sum(a2 * z2[None, :], axis=1)
+    if pid_v == 0:
+        tl.store(den_ptr + pid_bh * 2 * T + rows, den1, mask=row_ok)
+        tl.store(den_ptr + pid_bh * 2 * T + T + rows, den2, mask=row_ok)
+    v = _tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT)
+    vo = _operand(v, q_ptr, DOT_F32)
+    s_off = (st * NT + c) * D * D + d_cols[:, None] * D + v_cols[None, :]
+    s_mask = (d_cols[:, None] < D) & (v_cols[None, :] < D)
+    S1 = tl.load(s1_ptr + s_off, mask=s_mask, other=0.0)
+    S2 = tl.load(s2_ptr + s_off, mask=s_mask, other=0.0)
+    o1 = tl.dot(_operand(A1, q_ptr, DOT_F32), vo, input_precision=PREC)
+    o1 = tl.dot(_operand(a1, q_ptr, DOT_F32), _operand(S1, q_ptr, DOT_F32), acc=o1,
+                input_precision=PREC)
+    o1 = o1 / _safe(den1, eps)[:, None]
+    o2 = tl.dot(_operand(A2, q_ptr, DOT_F32), vo, input_precision=PREC)
+    o2 = tl.dot(_operand(a2, q_ptr, DOT_F32), _operand(S2, q_ptr, DOT_F32), acc=o2,
+                input_precision=PREC)
+    o2 = o2 / _safe(den2, eps)[:, None]
+    sv = tl.load(sv_ptr + (st * NT + c) * D + v_cols, mask=v_cols < D, other=0.0)
+    ones = tl.where(causal, 1.0, 0.0)
+    count = (L0 + rows + 1).to(tl.float32)
+    o0 = (tl.dot(_operand(ones, q_ptr, DOT_F32), vo, input_precision=PREC) + sv[None, :])
+    o0 = o0 / count[:, None]
+    offs = ((b * T + rows[:, None]) * H + h) * D + v_cols[None, :]
+    mask = row_ok[:, None] & (v_cols[None, :] < D)
+    tl.store(o_ptr + offs, (o0 + o1 + o2).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(o1_ptr + offs, o1.to(o1_ptr.dtype.element_ty), mask=mask)
+    tl.store(o2_ptr + offs, o2.to(o2_ptr.dtype.element_ty), mask=mask)
+
+
+# ------------------------------------------------------------------------------------------
+# backward
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def approx_bwd_prep_kernel(
+    do_ptr, o1_ptr, o2_ptr, den_ptr, r_ptr,
+    T, H, D, eps,
+    BT: tl.constexpr, BD: tl.constexpr,
+):
+    """grid (NT, B*H): r_t = −[|den_t| ≥ eps] (dO·o_t) / safe(den_t), t = 1, 2 ([B, H, 2, T])."""
+    c, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    d_cols = tl.arange(0, BD)
+    base = (b * T * H + h) * D
+    do = _tile(do_ptr + base, t0, T, H * D, d_cols, D, BT)
+    _store_r(do, o1_ptr + base, den_ptr + pid_bh * 2 * T, r_ptr + pid_bh * 2 * T, t0, T, H, D,
+             eps, d_cols, BT)
+    _store_r(do, o2_ptr + base, den_ptr + pid_bh * 2 * T + T, r_ptr + pid_bh * 2 * T + T, t0, T,
+             H, D, eps, d_cols, BT)
+
+
+@triton.jit
+def _store_r(do, o_ptr, den_ptr, r_ptr, t0, T, H, D, eps, d_cols, BT: tl.constexpr):
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    o_t = _tile(o_ptr, t0, T, H * D, d_cols, D, BT)
+    den = tl.load(den_ptr + rows, mask=row_ok, other=1.0)
+    r = -tl.sum(do * o_t, axis=1) / _safe(den, eps)
+    tl.store(r_ptr + rows, tl.where(tl.abs(den) < eps, 0.0, r), mask=row_ok)
+
+
+@triton.jit
+def approx_bwd_states_kernel(
+    q_ptr, do_ptr, den_ptr, r_ptr, ds1_ptr, ds2_ptr, dz_ptr, dsv_ptr,
+    T, H, HKV, G, D, NT, L0, scale, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv): the reverse states after every chunk, summed over
+    the group's query heads: dS_t = Σ (a_t/d_t)ᵀ dO ([BK, BV] blocks), dz_t = Σ r_t a_t
+    (pid_v = 0), dsv = Σ dO / n (pid_k = 0). Layouts as the forward's states."""
+    pid_k, pid_v, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    k_cols = pid_k * BK + tl.arange(0, BK)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    k_ok, v_ok = k_cols < D, v_cols < D
+    s_off = k_cols[:, None] * D + v_cols[None, :]
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    dS1 = tl.zeros([BK, BV], dtype=tl.float32)
+    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
+    dz1 = tl.zeros([BK], dtype=tl.float32)
+    dz2 = tl.zeros([BK], dtype=tl.float32)
+    dsv = tl.zeros([BV], dtype=tl.float32)
+    for i in range(NT):
+        c = NT - 1 - i
+        out = pid_bk * NT + c
+        tl.store(ds1_ptr + out * D * D + s_off, dS1.to(ds1_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(ds2_ptr + out * D * D + s_off, dS2.to(ds2_ptr.dtype.element_ty), mask=s_mask)
+        if pid_v == 0:
+            tl.store(dz_ptr + out * 2 * D + k_cols, dz1, mask=k_ok)
+            tl.store(dz_ptr + out * 2 * D + D + k_cols, dz2, mask=k_ok)
+        if pid_k == 0:
+            tl.store(dsv_ptr + out * D + v_cols, dsv, mask=v_ok)
+        t0 = c * BT
+        rows = t0 + tl.arange(0, BT)
+        row_ok = rows < T
+        count = (L0 + rows + 1).to(tl.float32)
+        for g in range(G):
+            h = hk * G + g
+            bh = b * H + h
+            q_base = (b * T * H + h) * D
+            a1 = _tile(q_ptr + q_base, t0, T, H * D, k_cols, D, BT) * scale
+            a2 = _square(a1)
+            do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
+            den1 = tl.load(den_ptr + bh * 2 * T + rows, mask=row_ok, other=1.0)
+            den2 = tl.load(den_ptr + bh * 2 * T + T + rows, mask=row_ok, other=1.0)
+            r1 = tl.load(r_ptr + bh * 2 * T + rows, mask=row_ok, other=0.0)
+            r2 = tl.load(r_ptr + bh * 2 * T + T + rows, mask=row_ok, other=0.0)
+            dop = _operand(do, q_ptr, DOT_F32)
+            g1 = _operand(a1 / _safe(den1, eps)[:, None], q_ptr, DOT_F32)
+            g2 = _operand(a2 / _safe(den2, eps)[:, None], q_ptr, DOT_F32)
+            dS1 += tl.dot(tl.trans(g1), dop, input_precision=PREC)
+            dS2 += tl.dot(tl.trans(g2), dop, input_precision=PREC)
+            dz1 += tl.sum(r1[:, None] * a1, axis=0)
+            dz2 += tl.sum(r2[:, None] * a2, axis=0)
+            dsv += tl.sum(do / count[:, None], axis=0)
+
+
+@triton.jit
+def approx_bwd_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s1_ptr, s2_ptr, z_ptr, ds1_ptr, ds2_ptr, dz_ptr,
+    dq_ptr, dk_ptr,
+    T, H, HKV, G, D, NT, scale, eps,
+    BT: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """grid (NT, B*H): dq of query head h in chunk c, and its share of dk (the later chunks'
+    dS, dz part once per group, from g = 0) into dk_ptr ([B, T, H, D])."""
+    c, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    st = b * HKV + hk
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    d_cols = tl.arange(0, BD)
+    d_ok = d_cols < D
+    q_base = (b * T * H + h) * D
+    kv_base = (b * T * HKV + hk) * D
+    a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
+    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
+    v = _tile(v_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
+    do = _tile(do_ptr + q_base, t0, T, H * D, d_cols, D, BT)
+    den1 = tl.load(den_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=1.0)
+    den2 = tl.load(den_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=1.0)
+    r1 = tl.load(r_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=0.0)
+    r2 = tl.load(r_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=0.0)
+    rd1 = 1.0 / _safe(den1, eps)
+    rd2 = 1.0 / _safe(den2, eps)
+    causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
+    dop = _operand(do, q_ptr, DOT_F32)
+    vo = _operand(v, q_ptr, DOT_F32)
+    dM = tl.dot(dop, tl.trans(vo), input_precision=PREC)  # [i, j] = dO_i · v_j
+    E1 = tl.where(causal, dM * rd1[:, None] + r1[:, None], 0.0)
+    E2 = tl.where(causal, dM * rd2[:, None] + r2[:, None], 0.0)
+    s_off = (st * NT + c) * D * D + d_cols[:, None] * D + d_cols[None, :]
+    s_mask = d_ok[:, None] & d_ok[None, :]
+    z_base = (st * NT + c) * 2 * D
+    # dq: da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ
+    S1 = _operand(tl.load(s1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+    z1 = tl.load(z_ptr + z_base + d_cols, mask=d_ok, other=0.0)
+    da1 = tl.dot(_operand(E1, q_ptr, DOT_F32), _operand(b1, q_ptr, DOT_F32), input_precision=PREC)
+    da1 += tl.dot(_operand(do * rd1[:, None], q_ptr, DOT_F32), tl.trans(S1),
+                  input_precision=PREC)
+    da1 += r1[:, None] * z1[None, :]
+    b2 = _square(b1)
+    S2 = _operand(tl.load(s2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+    z2 = tl.load(z_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
+    da2 = tl.dot(_operand(E2, q_ptr, DOT_F32), _operand(b2, q_ptr, DOT_F32), input_precision=PREC)
+    da2 += tl.dot(_operand(do * rd2[:, None], q_ptr, DOT_F32), tl.trans(S2),
+                  input_precision=PREC)
+    da2 += r2[:, None] * z2[None, :]
+    dq = scale * (da1 + SQRT2 * a1 * da2)
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    offs = q_base + rows[:, None] * (H * D) + d_cols[None, :]
+    tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=out_mask)
+    # this head's share of dk: db_t = E_tᵀ a_t (+ v dS_tᵀ + dz_t once per group)
+    a2 = _square(a1)
+    db1 = tl.dot(tl.trans(_operand(E1, q_ptr, DOT_F32)), _operand(a1, q_ptr, DOT_F32),
+                 input_precision=PREC)
+    db2 = tl.dot(tl.trans(_operand(E2, q_ptr, DOT_F32)), _operand(a2, q_ptr, DOT_F32),
+                 input_precision=PREC)
+    if h % G == 0:
+        dS1 = _operand(tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        dS2 = _operand(tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        dz1 = tl.load(dz_ptr + z_base + d_cols, mask=d_ok, other=0.0)
+        dz2 = tl.load(dz_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
+        valid = row_ok[:, None]  # padded tokens get no dz
+        db1 += tl.dot(vo, tl.trans(dS1), input_precision=PREC) + tl.where(valid, dz1[None, :], 0.0)
+        db2 += tl.dot(vo, tl.trans(dS2), input_precision=PREC) + tl.where(valid, dz2[None, :], 0.0)
+    dk = scale * (db1 + SQRT2 * b1 * db2)
+    tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def approx_bwd_dv_kernel(
+    q_ptr, k_ptr, do_ptr, den_ptr, ds1_ptr, ds2_ptr, dsv_ptr, dv_ptr,
+    T, H, HKV, G, D, NT, L0, scale, eps,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BV), NT, B*H): query head h's share of dv ([B, T, H, D]):
+    tril(A1/d1 + A2/d2 + 1/n)ᵀ dO, plus b1 dS1 + b2 dS2 + dsv once per group (g = 0)."""
+    pid_v, c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    st = b * HKV + hk
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    d_cols = tl.arange(0, BD)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    v_ok = v_cols < D
+    q_base = (b * T * H + h) * D
+    kv_base = (b * T * HKV + hk) * D
+    a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
+    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
+    a2, b2 = _square(a1), _square(b1)
+    den1 = tl.load(den_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=1.0)
+    den2 = tl.load(den_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=1.0)
+    count = (L0 + rows + 1).to(tl.float32)
+    causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
+    A1 = tl.dot(_operand(a1, q_ptr, DOT_F32), tl.trans(_operand(b1, q_ptr, DOT_F32)),
+                input_precision=PREC)
+    A2 = tl.dot(_operand(a2, q_ptr, DOT_F32), tl.trans(_operand(b2, q_ptr, DOT_F32)),
+                input_precision=PREC)
+    P = A1 / _safe(den1, eps)[:, None] + A2 / _safe(den2, eps)[:, None] + 1.0 / count[:, None]
+    P = tl.where(causal & row_ok[:, None], P, 0.0)
+    do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
+    dv = tl.dot(tl.trans(_operand(P, q_ptr, DOT_F32)), _operand(do, q_ptr, DOT_F32),
+                input_precision=PREC)
+    if h % G == 0:
+        s_off = (st * NT + c) * D * D + d_cols[:, None] * D + v_cols[None, :]
+        s_mask = (d_cols[:, None] < D) & v_ok[None, :]
+        dS1 = tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0)
+        dS2 = tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0)
+        dv += tl.dot(_operand(b1, q_ptr, DOT_F32), _operand(dS1, q_ptr, DOT_F32),
+                     input_precision=PREC)
+        dv += tl.dot(_operand(b2, q_ptr, DOT_F32), _operand(dS2, q_ptr, DOT_F32),
+                     input_precision=PREC)
+        dsv = tl.load(dsv_ptr + (st * NT + c) * D + v_cols, mask=v_ok, other=0.0)
+        dv += dsv[None, :]
+    offs = q_base + rows[:, None] * (H * D) + v_cols[None, :]
+    tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])

@@ -1,0 +1,145 @@
+"""``NonapproxChunkFunction``: the Triton kernels of ``chunk.py`` as one autograd Function.
+
+Layout ``[B, T, H, D]`` (k, v: ``[B, T, H_kv, D]``, GQA); the math and conventions are those of
+``megatron_subq.ops.nonapprox`` (SiLU applied to q here; tests compare against it). Gradients
+flow to q, k and v; an initial state is an input without gradient and the final state an output
+without gradient (for prefill/decode, not for training through states).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
+
+from .chunk import (
+    nonapprox_bwd_grad_kernel,
+    nonapprox_bwd_scan_kernel,
+    nonapprox_bwd_summary_kernel,
+    nonapprox_fwd_out_kernel,
+    nonapprox_fwd_scan_kernel,
+    nonapprox_fwd_summary_kernel,
+)
+
+CHUNK = 64  # tokens per chunk: the [BT, BT] weight block times [BT, D] values is one MMA tile
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _launch(D: int, NT: int, dtype: torch.dtype) -> dict:
+    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+    BD = max(16, triton.next_power_of_2(D))
+    return dict(
+        BT=CHUNK, BD=BD,
+        BV_sum=min(64, BD),  # summary: the weighted sum of v, a V-block at a time
+        BV_out=min(128, BD),
+        BV_scan=min(64, BD),
+        NB=min(64, max(16, triton.next_power_of_2(NT))),  # chunks per step of the scans
+        PREC="ieee" if dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
+        DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
+        warps=4 if BD <= 64 else 8,
+    )
+
+
+class NonapproxChunkFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, max0, den0, num0, output_final_state: bool):
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        B, T, H, D = q.shape
+        H_kv = k.shape[2]
+        G = H // H_kv
+        NT = triton.cdiv(T, CHUNK)
+        cfg = _launch(D, NT, q.dtype)
+        scale = 1.0 / math.sqrt(D)
+        f32 = dict(dtype=torch.float32, device=q.device)
+        s = torch.empty(B, H, T, **f32)
+        cmax, cden = torch.empty(B, H, NT, **f32), torch.empty(B, H, NT, **f32)
+        cnum = torch.empty(B, H, NT, D, **f32)
+        nonapprox_fwd_summary_kernel[(NT, B * H)](
+            q, k, v, s, cmax, cden, cnum, T, H, H_kv, G, D, NT, scale,
+            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_sum"], num_warps=cfg["warps"])
+
+        imax, iden, inum = torch.empty_like(cmax), torch.empty_like(cden), torch.empty_like(cnum)
+        has_state = max0 is not None
+        fmax, fden = torch.empty(B, H, **f32), torch.empty(B, H, **f32)
+        fnum = torch.empty(B, H, D, **f32)
+        nonapprox_fwd_scan_kernel[(triton.cdiv(D, cfg["BV_scan"]), B * H)](
+            cmax, cden, cnum,
+            max0 if has_state else fmax, den0 if has_state else fden,
+            num0 if has_state else fnum,
+            imax, iden, inum, fmax, fden, fnum, D, NT,
+            NB=cfg["NB"], BV=cfg["BV_scan"], HAS_STATE=has_state,
+            STORE_FINAL=bool(output_final_state), num_warps=4)
+
+        o = torch.empty_like(q)
+        lse = torch.empty(B, H, T, **f32)
+        nonapprox_fwd_out_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
+            v, s, imax, iden, inum, o, lse, T, H, H_kv, G, D, NT,
+            BT=cfg["BT"], BV=cfg["BV_out"], PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
+            num_warps=cfg["warps"])
+        ctx.save_for_backward(q, k, v, o, s, lse)
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(fmax, fden, fnum)
+        return o, fmax, fden, fnum
+
+    @staticmethod
+    def backward(ctx, d_o, _dmax, _dden, _dnum):
+        q, k, v, o, s, lse = ctx.saved_tensors
+        cfg = ctx.cfg
+        B, T, H, D = q.shape
+        H_kv = k.shape[2]
+        G = H // H_kv
+        NT = triton.cdiv(T, CHUNK)
+        d_o = d_o.contiguous()
+        f32 = dict(dtype=torch.float32, device=q.device)
+        delta = torch.empty(B, H, T, **f32)
+        cdo, cdelta = torch.empty(B, H, NT, D, **f32), torch.empty(B, H, NT, **f32)
+        nonapprox_bwd_summary_kernel[(NT, B * H)](
+            d_o, o, lse, delta, cdo, cdelta, T, H, D, NT,
+            BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["warps"])
+        ado, adelta = torch.empty_like(cdo), torch.empty_like(cdelta)
+        nonapprox_bwd_scan_kernel[(triton.cdiv(D, cfg["BV_scan"]), B * H)](
+            lse, cdo, cdelta, ado, adelta, T, D, NT,
+            BT=cfg["BT"], NB=cfg["NB"], BV=cfg["BV_scan"], num_warps=4)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        nonapprox_bwd_grad_kernel[(NT, B * H_kv)](
+            q, k, v, d_o, s, lse, delta, ado, adelta, dq, dk, dv,
+            T, H, H_kv, G, D, NT, 1.0 / math.sqrt(D),
+            BT=cfg["BT"], BD=cfg["BD"], PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
+            num_warps=cfg["warps"])
+        return dq, dk, dv, None, None, None, None
+
+
+def nonapprox_attention_kernel(q, k, v, state=None, output_final_state: bool = False):
+    """Causal nonapprox attention through the Triton kernels (what ``ops.nonapprox_attention``
+    dispatches to). q: [B, T, H, D] raw query projection; k, v: [B, T, H_kv, D].
+
+    ``state``: a ``NonapproxState`` to continue from (not modified; any float dtype, used in
+    fp32). Returns o ``[B, T, H, D]`` in q.dtype, or ``(o, NonapproxState)`` after the T tokens
+    when ``output_final_state`` — in the given state's dtype, else fp32, as the reference does.
+    """
+    from megatron_subq.ops.nonapprox import NonapproxState, _check_state  # noqa: PLC0415
+
+    op = "nonapprox_attention_kernel"
+    B, T, H, H_kv, D = check_qkv(op, q, k, v)
+    if T < 1:
+        raise ValueError(f"{op}: q, k, v must hold at least one token (T >= 1)")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{op}: q, k, v have dtype {q.dtype}; the kernel supports "
+                         f"{SUPPORTED_DTYPES} (use impl='reference' for others)")
+    if v.shape[3] != D:
+        raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
+    max0 = den0 = num0 = None
+    if state is not None:
+        _check_state(op, state, B, H, D)
+        max0, den0, num0 = (t.detach().to(torch.float32).contiguous()
+                            for t in (state.max, state.den, state.num))
+    o, fmax, fden, fnum = NonapproxChunkFunction.apply(q, k, v, max0, den0, num0,
+                                                       bool(output_final_state))
+    if not output_final_state:
+        return o
+    dtype = state.num.dtype if state is not None else torch.float32
+    length = (state.length if state is not None else 0) + T
+    return o, NonapproxState(fnum.to(dtype), fden.to(dtype), fmax.to(dtype), length)

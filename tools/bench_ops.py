@@ -1,0 +1,224 @@
+"""Benchmark the attention ops' kernels against dense and linear-attention baselines (one GPU).
+
+    python tools/bench_ops.py --ops asa --lengths 2048,4096,8192,16384,32768,65536,131072 \
+        --json bench.json
+
+For every sequence length: forward and forward+backward time (median of
+``triton.testing.do_bench``) of each op's kernel and of the baselines, all in the same process
+and run — cuDNN SDPA (causal, dense), FlashAttention-2 (torch's flash SDPA backend) and, when fla
+is installed, fla's ``chunk_linear_attn`` (the linear-attention peer, on m-dimensional features).
+Printed as a table (ratios against cuDNN) and written as JSON with the GPU name, the date and the
+exact command.
+
+Adding an op: write ``bench_<op>(args, T, dtype) -> [(row_name, fwd_fn, fwd_bwd_fn, info)]`` and
+register it in ``OP_BENCHES``; ``fwd_fn()`` runs the forward only, ``fwd_bwd_fn()`` forward and
+backward, ``info`` is a dict (e.g. the minimal HBM bytes of the forward, for a bandwidth figure).
+A row whose inputs do not fit (out of memory) is recorded as skipped, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import sys
+from typing import Callable, Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+Row = Tuple[str, Callable[[], None], Callable[[], None], dict]
+
+
+def _randn(*shape, dtype, grad=True, scale=1.0):
+    t = torch.randn(*shape, device="cuda", dtype=torch.float32) * scale
+    return t.to(dtype).requires_grad_(grad)
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor], inputs) -> Tuple[Callable, Callable]:
+    """The forward alone (no autograd graph) and forward+backward with a fixed random dO."""
+    with torch.no_grad():
+        grad_out = torch.randn_like(fn())
+
+    def fwd():
+        with torch.no_grad():
+            fn()
+
+    def fwd_bwd():
+        fn().backward(grad_out)
+        for x in inputs:
+            x.grad = None
+
+    return fwd, fwd_bwd
+
+
+# ------------------------------------------------------------------------------------------
+# baselines
+# ------------------------------------------------------------------------------------------
+def bench_dense(args, T: int, dtype) -> List[Row]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    q, k, v = (_randn(B, H, T, D, dtype=dtype) for _ in range(3))  # SDPA's [B, H, T, D]
+    rows = []
+    for name, backend in (("cudnn_sdpa", SDPBackend.CUDNN_ATTENTION),
+                          ("flash2_sdpa", SDPBackend.FLASH_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+        flops = 4 * B * H * D * T * T / 2  # causal: half of QK^T and PV
+        rows.append((name, fwd, fwd_bwd, {"fwd_flops": flops}))
+    return rows
+
+
+def bench_fla_linear(args, T: int, dtype) -> List[Row]:
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn
+    except ImportError:
+        return []
+    B, H, m, Dv = args.batch, args.heads, args.rank, args.head_dim
+    q = _randn(B, T, H, m, dtype=dtype)  # fla's inputs: the m-dimensional features
+    k = _randn(B, T, H, m, dtype=dtype)
+    v = _randn(B, T, H, Dv, dtype=dtype)
+    rows = []
+    for normalize in (False, True):
+        def run(normalize=normalize):
+            return chunk_linear_attn(q, k, v, normalize=normalize)[0]
+
+        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+        rows.append((f"fla_chunk_linear_attn{'_norm' if normalize else ''}", fwd, fwd_bwd, {}))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------
+# ops
+# ------------------------------------------------------------------------------------------
+def bench_asa(args, T: int, dtype) -> List[Row]:
+    from megatron_subq.ops import asa_attention
+
+    B, H, D, m = args.batch, args.heads, args.head_dim, args.rank
+    H_kv = args.kv_heads or H
+    q = _randn(B, T, H, D, dtype=dtype)
+    k = _randn(B, T, H_kv, D, dtype=dtype)
+    v = _randn(B, T, H_kv, D, dtype=dtype)
+    p_q = _randn(H, D, m, dtype=dtype, scale=D ** -0.5)
+    p_k = _randn(H, D, m, dtype=dtype, scale=D ** -0.5)
+    elt = torch.finfo(dtype).bits // 8
+    # each input read once, the output written once (the floor a fused forward can reach)
+    fwd_bytes = elt * B * T * D * (2 * H + 2 * H_kv)
+    rows = []
+    for normalize in args.asa_normalize.split(","):
+        def run(normalize=normalize):
+            return asa_attention(q, k, v, p_q, p_k, normalize=normalize, impl="kernel")
+
+        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v, p_q, p_k))
+        rows.append((f"asa_kernel[{normalize}]", fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes}))
+    return rows
+
+
+OP_BENCHES: Dict[str, Callable[..., List[Row]]] = {
+    "asa": bench_asa,
+}
+BASELINES: Dict[str, Callable[..., List[Row]]] = {
+    "dense": bench_dense,
+    "fla": bench_fla_linear,
+}
+
+
+# ------------------------------------------------------------------------------------------
+def _time(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--ops", default="asa", help=f"comma list of {sorted(OP_BENCHES)}")
+    p.add_argument("--baselines", default="dense,fla", help=f"comma list of {sorted(BASELINES)}")
+    p.add_argument("--lengths", default="2048,4096,8192,16384,32768,65536,131072")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=0, help="0: as many as --heads")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--rank", type=int, default=64, help="ASA's m (and fla's feature size)")
+    p.add_argument("--asa-normalize", default="linear")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--json", default="", help="write the results here")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_ops.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for name in args.ops.split(","):
+        if name not in OP_BENCHES:
+            p.error(f"--ops: {name!r} is not one of {sorted(OP_BENCHES)}")
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    torch.manual_seed(0)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "shape": {"batch": args.batch, "heads": args.heads, "kv_heads": args.kv_heads or args.heads,
+                  "head_dim": args.head_dim, "rank": args.rank, "dtype": args.dtype},
+    }
+    results = []
+    for T in (int(x) for x in args.lengths.split(",")):
+        builders = [BASELINES[b] for b in args.baselines.split(",") if b] + \
+                   [OP_BENCHES[o] for o in args.ops.split(",")]
+        for build in builders:
+            try:
+                rows = build(args, T, dtype)
+            except torch.OutOfMemoryError:
+                results.append({"T": T, "impl": build.__name__, "skipped": "out of memory"})
+                torch.cuda.empty_cache()
+                continue
+            for name, fwd, fwd_bwd, info in rows:
+                rec = {"T": T, "impl": name, **info}
+                for key, fn in (("fwd_ms", fwd), ("fwd_bwd_ms", fwd_bwd)):
+                    try:
+                        rec[key] = _time(fn)
+                    except torch.OutOfMemoryError:
+                        rec[key] = None
+                        rec["skipped"] = "out of memory"
+                        torch.cuda.empty_cache()
+                if rec.get("fwd_min_bytes") and rec.get("fwd_ms"):
+                    rec["fwd_GBps_of_min_bytes"] = rec["fwd_min_bytes"] / rec["fwd_ms"] / 1e6
+                if rec.get("fwd_flops") and rec.get("fwd_ms"):
+                    rec["fwd_TFLOPs"] = rec["fwd_flops"] / rec["fwd_ms"] / 1e9
+                results.append(rec)
+                print(json.dumps(rec), flush=True)
+            del rows
+            torch.cuda.empty_cache()
+    # ratios against cuDNN (>1: faster than cuDNN)
+    cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
+    for r in results:
+        base = cudnn.get(r["T"])
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if base and base.get(key) and r.get(key):
+                r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
+    print(f"\n{meta['gpu']}  {meta['date']}  {meta['command']}")
+    print(f"{'T':>7} {'impl':<32} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>12} "
+          f"{'x cuDNN f+b':>12} {'fwd GB/s':>9}")
+    for r in results:
+        def fmt(x, spec):
+            return format(x, spec) if isinstance(x, (int, float)) and not math.isnan(x) else "-"
+        print(f"{r['T']:>7} {r['impl']:<32} {fmt(r.get('fwd_ms'), '9.3f')} "
+              f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
+              f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
+              f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

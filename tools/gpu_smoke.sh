@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# GPU smoke runs of the trainer on 2 GPUs: standard and asa, each with TP=2 + SP and with PP=2,
+# 220 iterations of a 12-layer, 768-hidden GPT (Mistral tokenizer, 2048-token sequences, global
+# batch 32) on the documentation corpus. Logs and a summary table go to $OUT.
+#
+# From the project root, on this machine once:
+#   bash ../shared/tools/device-wheels.sh                      # .whl/ + .whl/setup.sh (git-ignored)
+#   mkdir -p data && cp ../shared/data/docs-corpus.jsonl.xz data/   # 7.7 MB; /data/ is git-ignored
+# then through the device tool (kind nvidia-h200-x2, carry [".whl", "data"]):
+#   source .whl/setup.sh && bash tools/gpu_smoke.sh            # all four runs (~6-8 minutes)
+#   source .whl/setup.sh && bash tools/gpu_smoke.sh asa_tp2sp  # a subset, by run name
+#
+# $OUT/summary.md: one row per run (loss first -> last, validation loss, mean tokens/s/GPU,
+# TFLOP/s/GPU, MFU, peak memory); $OUT/<run>.log: the trainer's output.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_smoke}
+WORK=${WORK:-/tmp/gpu_smoke}
+mkdir -p "$OUT" "$WORK"
+# NVLink multicast stays off on the shared machines (see the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+NGPU=${NGPU:-2}
+ITERS=${ITERS:-220}
+
+CORPUS=${CORPUS:-data/docs-corpus.jsonl.xz}
+[ -f "$CORPUS" ] || CORPUS=../shared/data/docs-corpus.jsonl.xz
+PREFIX="$WORK/docs"
+if [ ! -f "${PREFIX}_text_document.idx" ]; then
+  python3 tools/preprocess_data.py --input "$CORPUS" --output-prefix "$PREFIX" \
+    --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model mistral \
+    --workers "$(( $(nproc) > 16 ? 16 : $(nproc) ))" --no-progress | tee "$WORK/preprocess.log"
+fi
+
+COMMON=(
+  --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 2048
+  --micro-batch-size 4 --global-batch-size 32 --train-iters "$ITERS"
+  --lr 6e-4 --min-lr 6e-5 --lr-decay-style cosine --lr-warmup-iters 20
+  --weight-decay 0.1 --adam-beta2 0.95 --clip-grad 1.0 --bf16 --use-distributed-optimizer
+  --data-path "${PREFIX}_text_document" --split 98,2,0 --data-cache-path "$WORK/cache"
+  --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model mistral --num-workers 2
+  --log-interval 10 --eval-interval 110 --eval-iters 4
+)
+declare -A LAYOUT=(
+  [std_tp2sp]="--attention-variant standard --tensor-model-parallel-size 2 --sequence-parallel"
+  [std_pp2]="--attention-variant standard --pipeline-model-parallel-size 2"
+  [asa_tp2sp]="--attention-variant asa --tensor-model-parallel-size 2 --sequence-parallel"
+  [asa_pp2]="--attention-variant asa --pipeline-model-parallel-size 2"
+)
+RUNS=("$@")
+[ ${#RUNS[@]} -gt 0 ] || RUNS=(std_tp2sp std_pp2 asa_tp2sp asa_pp2)
+
+status=0
+for run in "${RUNS[@]}"; do
+  [ -n "${LAYOUT[$run]+x}" ] || { echo "unknown run $run (have: ${!LAYOUT[*]})"; exit 2; }
+  rm -f "$WORK/$run.jsonl"
+  # shellcheck disable=SC2206
+  cmd=(torchrun --nproc-per-node "$NGPU" examples/pretrain_gpt.py "${COMMON[@]}" ${LAYOUT[$run]}
+       --metrics-file "$WORK/$run.jsonl")
+  echo "\$ ${cmd[*]}" | tee "$OUT/$run.log"
+  if ! "${cmd[@]}" >> "$OUT/$run.log" 2>&1; then
+    echo "run $run FAILED (tail of $OUT/$run.log):"; tail -30 "$OUT/$run.log"; status=1
+  fi
+done
+
+python3 - "$WORK" "$OUT" "${RUNS[@]}" <<'EOF'
+import json, re, sys
+work, out, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = ["| run | iters | lm loss first10 -> last10 | valid loss | tokens/s/GPU | TFLOP/s/GPU | MFU | peak mem (GB) |",
+        "|---|---|---|---|---|---|---|---|"]
+for run in runs:
+    try:
+        recs = [json.loads(l) for l in open(f"{work}/{run}.jsonl")]
+    except FileNotFoundError:
+        rows.append(f"| {run} | failed | | | | | | |"); continue
+    train = [r for r in recs if "lm_loss" in r]
+    valid = [r for r in recs if "valid_loss" in r]
+    steady = train[10:] or train  # skip warm-up iterations for throughput
+    mean = lambda k: sum(r[k] for r in steady) / len(steady)
+    log = open(f"{out}/{run}.log").read()
+    mfu = re.findall(r"MFU: ([0-9.]+)%", log)
+    mem = re.findall(r"peak memory \(GB\): ([0-9.]+)", log)
+    first = sum(r["lm_loss"] for r in train[:10]) / min(10, len(train))
+    last = sum(r["lm_loss"] for r in train[-10:]) / min(10, len(train))
+    tflops = mean("tflops_per_gpu")
+    rows.append(f"| {run} | {len(train)} | {first:.3f} -> {last:.3f} | "
+                f"{valid[-1]['valid_loss'] if valid else float('nan'):.3f} | {mean('tokens_per_sec_per_gpu'):,.0f} | "
+                f"{tflops:.1f} | {100 * tflops / 989.0:.1f}% (log: {mfu[-1] if mfu else '-'}%) | "
+                f"{mem[-1] if mem else '-'} |")
+open(f"{out}/summary.md", "w").write("\n".join(rows) + "\n")
+print("\n".join(rows))
+EOF
+exit $status
