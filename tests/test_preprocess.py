@@ -117,7 +117,7 @@ def test_no_eod_and_bad_flags(tmp_path, tokenizer_model):
                               "--tokenizer-type", "GPTSentencePieceTokenizer"])
 
 
-@pytest.mark.skipif(not HAVE_MISTRAL, reason="mistral-common is not installed (.ci/run installs it)")
+@pytest.mark.skipif(not HAVE_MISTRAL, reason="mistral-common not installed (.ci/run installs it)")
 def test_mistral_tokenizer_is_the_packaged_sentencepiece_model():
     path = resolve_tokenizer_model("mistral")
     assert path.endswith(os.path.join("mistral_common", "data", "tokenizer.model.v1"))

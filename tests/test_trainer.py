@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -44,10 +43,10 @@ VARIANT_FLAGS = {
 }
 
 
-def _torchrun(argv, log_path, nproc=2, timeout=400):
+def _torchrun(argv, log_path, nproc=2, timeout=400, script=("examples", "pretrain_gpt.py")):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           os.path.join(ROOT, "examples", "pretrain_gpt.py")] + argv
+           os.path.join(ROOT, *script)] + argv
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
@@ -239,6 +238,19 @@ def test_evaluate_tool_perplexity(single):
     ev = single["evaluate"]
     assert ev["iteration"] == 30 and ev["tokens"] == single["heldout_tokens"]
     assert math.isfinite(ev["loss"]) and ev["perplexity"] == pytest.approx(math.exp(ev["loss"]))
+
+
+def test_evaluate_at_pp2_reshards_and_matches_tp1(single, run_a, data):
+    """tools/evaluate.py under torchrun at PP=2 on the TP=2 + SP checkpoint: the layers are
+    resharded over pipeline stages and the perplexity matches the TP=1 evaluation."""
+    out = data["work"] / "eval_pp2.json"
+    log = _torchrun(["--load", run_a["save"], "--input", data["heldout"], "--ckpt-step", "30",
+                     "--output", str(out), "--pipeline-model-parallel-size", "2"],
+                    data["work"] / "eval_pp2.log", script=("tools", "evaluate.py"))
+    assert "resharding checkpoint from (TP, PP)=(2, 1) to (1, 2)" in log
+    pp2, tp1 = json.loads(out.read_text()), single["evaluate"]
+    assert pp2["tokens"] == tp1["tokens"]
+    assert pp2["loss"] == pytest.approx(tp1["loss"], rel=1e-5)
 
 
 def test_crash_inside_save_keeps_previous_checkpoint(single):

@@ -121,8 +121,140 @@ def bench_asa(args, T: int, dtype) -> List[Row]:
     return rows
 
 
+def bench_superlinear(args, T: int, dtype) -> List[Row]:
+    """Issue 7's configuration: w = 1088 (sw_index 32), top-2, b = 4, f = 2, p = p_sp = 1/2."""
+    from megatron_subq.ops import superlinear_attention
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv = args.kv_heads or H
+    q = _randn(B, T, H, D, dtype=dtype)
+    q_s = _randn(B, T, H, D, dtype=dtype, scale=D ** -0.5)
+    k = _randn(B, T, H_kv, D, dtype=dtype)
+    v = _randn(B, T, H_kv, D, dtype=dtype)
+    knobs = dict(search_power=0.5, span_power=0.5, topk=2, backward_factor=4.0,
+                 forward_factor=2.0, sw_index=32)
+
+    def run():
+        return superlinear_attention(q, q_s, k, v, **knobs, impl="kernel")
+
+    fwd, fwd_bwd = _fwd_bwd(run, (q, q_s, k, v))
+    # keys per query: window + top-k spans of (b + f) * sqrt(T) (an upper bound)
+    keys = min(T, 1088 + 2 * (6 * math.isqrt(T) + 1))
+    flops = 4 * B * H * D * T * keys
+    return [("superlinear_kernel", fwd, fwd_bwd, {"fwd_flops_bound": flops})]
+
+
+def bench_ppa(args, T: int, dtype) -> List[Row]:
+    """PPA's kernel (one row per --ppa-dense-gap) and flex-attention with the same mask.
+
+    ``fwd_flops`` counts the useful work only (4 * D flops per attended query-key pair, pairs
+    counted exactly from the offsets); ``fwd_min_bytes`` reads q, k, v and writes o once.
+    """
+    from megatron_subq.kernels.ppa import ppa_attention_kernel
+    from megatron_subq.ops import ppa_offsets
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv = args.kv_heads or H
+    p, w = float(args.ppa_power), args.ppa_window
+    q = _randn(B, T, H, D, dtype=dtype)
+    k = _randn(B, T, H_kv, D, dtype=dtype)
+    v = _randn(B, T, H_kv, D, dtype=dtype)
+    offsets = sorted(set(range(min(w, T - 1) + 1)) | set(ppa_offsets(p, T - 1)))
+    pairs = sum(T - d for d in offsets)  # query i meets key i - d for every attended d <= i
+    elt = torch.finfo(dtype).bits // 8
+    info = {"fwd_flops": 4 * B * H * D * pairs, "fwd_min_bytes": elt * B * T * D * (2 * H + 2 * H_kv),
+            "pairs_per_query": pairs / T}
+    rows = []
+    for gap in (int(g) for g in args.ppa_dense_gap.split(",")):
+        def run(gap=gap):
+            return ppa_attention_kernel(q, k, v, p, w, dense_gap=gap)
+
+        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+        rows.append((f"ppa_kernel[p={p:g},w={w},gap={gap}]", fwd, fwd_bwd, info))
+    if T <= args.ppa_flex_max_len:
+        rows.extend(_flex_ppa_rows(q, k, v, p, w, info))
+    return rows
+
+
+def _flex_ppa_rows(q, k, v, p: float, w: int, info: dict) -> List[Row]:
+    """flex-attention (compiled) with the PPA mask, as the paper ran it."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return []
+    from megatron_subq.ops import ppa_offsets
+
+    B, T, H, D = q.shape
+    attended = torch.zeros(T, dtype=torch.bool, device=q.device)
+    attended[: w + 1] = True
+    attended[torch.tensor(ppa_offsets(p, T - 1), dtype=torch.long, device=q.device)] = True
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        return (d >= 0) & attended[d.clamp(min=0)]
+
+    block_mask = create_block_mask(mask_mod, None, None, T, T, device=q.device)
+    flex = torch.compile(flex_attention)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # flex wants [B, H, T, D]
+    gqa = kt.shape[1] != qt.shape[1]
+
+    def run():
+        return flex(qt, kt, vt, block_mask=block_mask, enable_gqa=gqa)
+
+    fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+    return [(f"flex_ppa[p={p:g},w={w}]", fwd, fwd_bwd, info)]
+
+
+def _deconstructed_inputs(args, T: int, dtype):
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv = args.kv_heads or H
+    q = _randn(B, T, H, D, dtype=dtype)
+    k = _randn(B, T, H_kv, D, dtype=dtype)
+    v = _randn(B, T, H_kv, D, dtype=dtype)
+    elt = torch.finfo(dtype).bits // 8
+    return q, k, v, elt * B * T * D * (2 * H + 2 * H_kv)  # q, k, v read once, o written once
+
+
+def bench_nonapprox(args, T: int, dtype) -> List[Row]:
+    """nonapprox's kernel: a cumulative softmax-weighted mean, bound by HBM bandwidth."""
+    from megatron_subq.ops import nonapprox_attention
+
+    q, k, v, fwd_bytes = _deconstructed_inputs(args, T, dtype)
+
+    def run():
+        return nonapprox_attention(q, k, v, impl="kernel")
+
+    fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+    return [("nonapprox_kernel", fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes})]
+
+
+def bench_approx(args, T: int, dtype) -> List[Row]:
+    """approx's kernel: two chunked linear attentions (D features each) plus a running mean.
+
+    ``fwd_flops`` counts the forward's matmuls at chunk C = 64 per (query head, token): the two
+    [C, C] score blocks (2·2CD), their products with v (2·2CD), the running mean (2CD), the two
+    inter-chunk products with the D × D states (2·2D²) and the two state updates (2·2D², per
+    key/value head)."""
+    from megatron_subq.ops import approx_attention
+
+    q, k, v, fwd_bytes = _deconstructed_inputs(args, T, dtype)
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv, C = args.kv_heads or H, 64
+    flops = B * T * (H * (10 * C * D + 4 * D * D) + H_kv * 4 * D * D)
+
+    def run():
+        return approx_attention(q, k, v, impl="kernel")
+
+    fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+    return [("approx_kernel", fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes, "fwd_flops": flops})]
+
+
 OP_BENCHES: Dict[str, Callable[..., List[Row]]] = {
     "asa": bench_asa,
+    "nonapprox": bench_nonapprox,
+    "approx": bench_approx,
+    "ppa": bench_ppa,
+    "superlinear": bench_superlinear,
 }
 BASELINES: Dict[str, Callable[..., List[Row]]] = {
     "dense": bench_dense,
@@ -148,6 +280,12 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rank", type=int, default=64, help="ASA's m (and fla's feature size)")
     p.add_argument("--asa-normalize", default="linear")
+    p.add_argument("--ppa-power", default="0.5", help="PPA's p (a rational, e.g. 0.5, 0.75)")
+    p.add_argument("--ppa-window", type=int, default=64, help="PPA's w")
+    p.add_argument("--ppa-dense-gap", default="8",
+                   help="comma list: offsets at most this far apart join PPA's dense tiles")
+    p.add_argument("--ppa-flex-max-len", type=int, default=16384,
+                   help="flex-attention rows for PPA up to this length (0: none)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)

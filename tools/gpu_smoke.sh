@@ -10,6 +10,11 @@
 #   source .whl/setup.sh && bash tools/gpu_smoke.sh            # all four runs (~6-8 minutes)
 #   source .whl/setup.sh && bash tools/gpu_smoke.sh asa_tp2sp  # a subset, by run name
 #
+# A dry run of the script itself on the CPU (tiny model, a corpus slice):
+#   NGPU=2 MAX_DOCS=200 ITERS=4 EXTRA="--num-layers 2 --hidden-size 64 --num-attention-heads 4
+#     --seq-length 64 --micro-batch-size 2 --global-batch-size 4 --no-bf16 --lr-warmup-iters 1
+#     --eval-interval 2 --eval-iters 1 --log-interval 1 --num-workers 0" bash tools/gpu_smoke.sh
+#
 # $OUT/summary.md: one row per run (loss first -> last, validation loss, mean tokens/s/GPU,
 # TFLOP/s/GPU, MFU, peak memory); $OUT/<run>.log: the trainer's output.
 set -euo pipefail
@@ -29,7 +34,8 @@ PREFIX="$WORK/docs"
 if [ ! -f "${PREFIX}_text_document.idx" ]; then
   python3 tools/preprocess_data.py --input "$CORPUS" --output-prefix "$PREFIX" \
     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model mistral \
-    --workers "$(( $(nproc) > 16 ? 16 : $(nproc) ))" --no-progress | tee "$WORK/preprocess.log"
+    --workers "$(( $(nproc) > 16 ? 16 : $(nproc) ))" --no-progress \
+    ${MAX_DOCS:+--max-documents "$MAX_DOCS"} | tee "$WORK/preprocess.log"
 fi
 
 COMMON=(
@@ -56,7 +62,7 @@ for run in "${RUNS[@]}"; do
   rm -f "$WORK/$run.jsonl"
   # shellcheck disable=SC2206
   cmd=(torchrun --nproc-per-node "$NGPU" examples/pretrain_gpt.py "${COMMON[@]}" ${LAYOUT[$run]}
-       --metrics-file "$WORK/$run.jsonl")
+       --metrics-file "$WORK/$run.jsonl" ${EXTRA:-})
   echo "\$ ${cmd[*]}" | tee "$OUT/$run.log"
   if ! "${cmd[@]}" >> "$OUT/$run.log" 2>&1; then
     echo "run $run FAILED (tail of $OUT/$run.log):"; tail -30 "$OUT/$run.log"; status=1

@@ -24,7 +24,7 @@ import sys
 import time
 from collections import Counter
 from multiprocessing import Pool
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 

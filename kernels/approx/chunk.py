@@ -295,10 +295,12 @@ def approx_bwd_dqk_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s1_ptr, s2_ptr, z_ptr, ds1_ptr, ds2_ptr, dz_ptr,
     dq_ptr, dk_ptr,
     T, H, HKV, G, D, NT, scale, eps,
-    BT: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     """grid (NT, B*H): dq of query head h in chunk c, and its share of dk (the later chunks'
-    dS, dz part once per group, from g = 0) into dk_ptr ([B, T, H, D])."""
+    dS, dz part once per group, from g = 0) into dk_ptr ([B, T, H, D]). The value dimension
+    (dO, v, the D × D states) is walked in blocks of BV columns."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -310,57 +312,68 @@ def approx_bwd_dqk_kernel(
     d_ok = d_cols < D
     q_base = (b * T * H + h) * D
     kv_base = (b * T * HKV + hk) * D
-    a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
-    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
-    v = _tile(v_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
-    do = _tile(do_ptr + q_base, t0, T, H * D, d_cols, D, BT)
     den1 = tl.load(den_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=1.0)
     den2 = tl.load(den_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=1.0)
     r1 = tl.load(r_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=0.0)
     r2 = tl.load(r_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=0.0)
     rd1 = 1.0 / _safe(den1, eps)
     rd2 = 1.0 / _safe(den2, eps)
+    s_base = (st * NT + c) * D * D
+    z_base = (st * NT + c) * 2 * D
+    # the earlier chunks' part of da_t, (dO/d_t) S_tᵀ, and dM = dO vᵀ, a V-block at a time
+    dM = tl.zeros([BT, BT], dtype=tl.float32)
+    da1 = tl.zeros([BT, BD], dtype=tl.float32)
+    da2 = tl.zeros([BT, BD], dtype=tl.float32)
+    for v0 in range(0, D, BV):
+        v_cols = v0 + tl.arange(0, BV)
+        do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
+        v = _tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT)
+        dM += tl.dot(_operand(do, q_ptr, DOT_F32), tl.trans(_operand(v, q_ptr, DOT_F32)),
+                     input_precision=PREC)
+        s_off = s_base + d_cols[:, None] * D + v_cols[None, :]
+        s_mask = d_ok[:, None] & (v_cols[None, :] < D)
+        S1 = _operand(tl.load(s1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        S2 = _operand(tl.load(s2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        da1 += tl.dot(_operand(do * rd1[:, None], q_ptr, DOT_F32), tl.trans(S1),
+                      input_precision=PREC)
+        da2 += tl.dot(_operand(do * rd2[:, None], q_ptr, DOT_F32), tl.trans(S2),
+                      input_precision=PREC)
     causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
-    dop = _operand(do, q_ptr, DOT_F32)
-    vo = _operand(v, q_ptr, DOT_F32)
-    dM = tl.dot(dop, tl.trans(vo), input_precision=PREC)  # [i, j] = dO_i · v_j
     E1 = tl.where(causal, dM * rd1[:, None] + r1[:, None], 0.0)
     E2 = tl.where(causal, dM * rd2[:, None] + r2[:, None], 0.0)
-    s_off = (st * NT + c) * D * D + d_cols[:, None] * D + d_cols[None, :]
-    s_mask = d_ok[:, None] & d_ok[None, :]
-    z_base = (st * NT + c) * 2 * D
     # dq: da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ
-    S1 = _operand(tl.load(s1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
     z1 = tl.load(z_ptr + z_base + d_cols, mask=d_ok, other=0.0)
-    da1 = tl.dot(_operand(E1, q_ptr, DOT_F32), _operand(b1, q_ptr, DOT_F32), input_precision=PREC)
-    da1 += tl.dot(_operand(do * rd1[:, None], q_ptr, DOT_F32), tl.trans(S1),
-                  input_precision=PREC)
-    da1 += r1[:, None] * z1[None, :]
-    b2 = _square(b1)
-    S2 = _operand(tl.load(s2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
     z2 = tl.load(z_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
-    da2 = tl.dot(_operand(E2, q_ptr, DOT_F32), _operand(b2, q_ptr, DOT_F32), input_precision=PREC)
-    da2 += tl.dot(_operand(do * rd2[:, None], q_ptr, DOT_F32), tl.trans(S2),
-                  input_precision=PREC)
-    da2 += r2[:, None] * z2[None, :]
+    da1 += tl.dot(_operand(E1, q_ptr, DOT_F32), _operand(b1, q_ptr, DOT_F32),
+                  input_precision=PREC) + r1[:, None] * z1[None, :]
+    da2 += tl.dot(_operand(E2, q_ptr, DOT_F32), _operand(_square(b1), q_ptr, DOT_F32),
+                  input_precision=PREC) + r2[:, None] * z2[None, :]
+    a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
     dq = scale * (da1 + SQRT2 * a1 * da2)
     out_mask = row_ok[:, None] & d_ok[None, :]
     offs = q_base + rows[:, None] * (H * D) + d_cols[None, :]
     tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=out_mask)
     # this head's share of dk: db_t = E_tᵀ a_t (+ v dS_tᵀ + dz_t once per group)
-    a2 = _square(a1)
     db1 = tl.dot(tl.trans(_operand(E1, q_ptr, DOT_F32)), _operand(a1, q_ptr, DOT_F32),
                  input_precision=PREC)
-    db2 = tl.dot(tl.trans(_operand(E2, q_ptr, DOT_F32)), _operand(a2, q_ptr, DOT_F32),
+    db2 = tl.dot(tl.trans(_operand(E2, q_ptr, DOT_F32)), _operand(_square(a1), q_ptr, DOT_F32),
                  input_precision=PREC)
     if h % G == 0:
-        dS1 = _operand(tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
-        dS2 = _operand(tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        for v0 in range(0, D, BV):
+            v_cols = v0 + tl.arange(0, BV)
+            v = _operand(_tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT), q_ptr, DOT_F32)
+            s_off = s_base + d_cols[:, None] * D + v_cols[None, :]
+            s_mask = d_ok[:, None] & (v_cols[None, :] < D)
+            dS1 = _operand(tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+            dS2 = _operand(tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+            db1 += tl.dot(v, tl.trans(dS1), input_precision=PREC)
+            db2 += tl.dot(v, tl.trans(dS2), input_precision=PREC)
         dz1 = tl.load(dz_ptr + z_base + d_cols, mask=d_ok, other=0.0)
         dz2 = tl.load(dz_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
         valid = row_ok[:, None]  # padded tokens get no dz
-        db1 += tl.dot(vo, tl.trans(dS1), input_precision=PREC) + tl.where(valid, dz1[None, :], 0.0)
-        db2 += tl.dot(vo, tl.trans(dS2), input_precision=PREC) + tl.where(valid, dz2[None, :], 0.0)
+        db1 += tl.where(valid, dz1[None, :], 0.0)
+        db2 += tl.where(valid, dz2[None, :], 0.0)
     dk = scale * (db1 + SQRT2 * b1 * db2)
     tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
 

@@ -31,7 +31,8 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
     BD = max(16, triton.next_power_of_2(D))
     return dict(
         BT=CHUNK, BD=BD,
-        BK_state=min(64, BD), BV_state=min(64, BD),  # S blocks: one program each in the scans
+        # S blocks of the state scans, one program each: 2 x 4 blocks per head at D = 128
+        BK_state=min(64, BD), BV_state=min(32, BD),
         BV_out=min(64, BD),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
         DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
@@ -123,8 +124,8 @@ class ApproxChunkFunction(torch.autograd.Function):
         approx_bwd_dqk_kernel[(NT, B * H)](
             q, k, v, d_o, den, r, s1, s2, z, ds1, ds2, dz, dq, dk_h,
             T, H, H_kv, G, D, NT, scale, eps,
-            BT=cfg["BT"], BD=cfg["BD"], PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
-            num_warps=cfg["warps"])
+            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
+            DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
         approx_bwd_dv_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
             q, k, d_o, den, ds1, ds2, dsv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
             BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],

@@ -213,18 +213,21 @@ def asa_bwd_states_kernel(
 def asa_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
-    dq_ptr, dk_ptr, dv_ptr, dlq_ptr, dlk_ptr,
+    dx_ptr, dv_ptr, dl_ptr,
     T, H, G, D, M, DV, NT, NV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
 ):
-    """grid (NT, B*H): dq [B,T,H,D], dk and dv per *query* head [B,T,H,D(v)] (summed over GQA
-    groups by the caller), and the feature-logit gradients dlq, dlk [B,T,H,M] fp32 for dP.
+    """grid (NT, B*H): one chunk's gradients, in two launches (fewer live registers each):
 
-    Registers: across the loop over Dv blocks only q', k', A (matmul dtype) and the three fp32
-    accumulators dA, dq', dk' stay live; the fp32 features for the softmax backward are
-    recomputed after it (two small matmuls instead of spilling)."""
+    * ``SIDE == 0`` (query side): dq' = dA k' + g Sᵀ + r zᵀ  ->  dℓ_q -> dq ``[B, T, H, D]``;
+    * ``SIDE == 1`` (key side):   dk' = dAᵀ q' + v dSᵀ + dz,  dv = Aᵀ g + k' dS  ->  dℓ_k -> dk,
+      dv per *query* head ``[B, T, H, D(v)]`` (the caller sums GQA groups).
+
+    dℓ (``dl``, ``[B, T, H, M]`` fp32) is kept for dP. Both sides rebuild dA = tril(g vᵀ + r 1ᵀ),
+    one BT x BT x Dv matmul. The fp32 features of the softmax backward are recomputed at the end
+    rather than kept live across the loop over Dv blocks."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -244,65 +247,64 @@ def asa_bwd_chunk_kernel(
                            _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
                            PREC).to(dt)
     causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
-    A = tl.where(causal, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0).to(dt)
     st = pid_bh * NT + c
+    if SIDE == 1:
+        A = tl.where(causal, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0).to(dt)
     if NORM != 1:
         den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
     if NORM == 0:
         r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
-        z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-        dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
         dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
-        dqf = r[:, None] * z[None, :]
-        dkf = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
+        if SIDE == 0:
+            z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+            dfeat = r[:, None] * z[None, :]
+        else:
+            dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+            dfeat = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
     else:
         dA = tl.zeros([BT, BT], dtype=tl.float32)
-        dqf = tl.zeros([BT, BM], dtype=tl.float32)
-        dkf = tl.zeros([BT, BM], dtype=tl.float32)
+        dfeat = tl.zeros([BT, BM], dtype=tl.float32)
     o_rows = (b * T + rows) * H + h
     v_base = v_ptr + b * svb + hk * svh
     for vb in range(0, NV):
         v_cols = vb * BV + tl.arange(0, BV)
         vmask = row_mask[:, None] & (v_cols[None, :] < DV)
         sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
-        s_off = m_idx[:, None] * DV + v_cols[None, :]
+        s_off = st * M * DV + m_idx[:, None] * DV + v_cols[None, :]
         vc = _load_rows(v_base, t0, T, svt, v_cols, DV, BT).to(dt)
         g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
                     other=0.0).to(tl.float32)
         if NORM != 1:
             g = g / den[:, None]
         g = g.to(dt)
-        S = tl.load(states_ptr + st * M * DV + s_off, mask=sv_mask, other=0.0).to(dt)
-        dS = tl.load(dstates_ptr + st * M * DV + s_off, mask=sv_mask, other=0.0).to(dt)
         dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
-        dqf += tl.dot(g, tl.trans(S), input_precision=PREC)
-        dkf += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-        dv = tl.dot(tl.trans(A), g, input_precision=PREC)
-        dv += tl.dot(kf, dS, input_precision=PREC)
-        tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :], dv.to(dv_ptr.dtype.element_ty),
-                 mask=vmask)
+        if SIDE == 0:
+            S = tl.load(states_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
+            dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
+        else:
+            dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
+            dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
+            dv = tl.dot(tl.trans(A), g, input_precision=PREC)
+            dv += tl.dot(kf, dS, input_precision=PREC)
+            tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                     dv.to(dv_ptr.dtype.element_ty), mask=vmask)
     dA = tl.where(causal, dA, 0.0).to(dt)
-    dqf += tl.dot(dA, kf, input_precision=PREC)
-    dkf += tl.dot(tl.trans(dA), qf, input_precision=PREC)
-    fm_mask = row_mask[:, None] & feat_mask[None, :]
-    d_mask = row_mask[:, None] & (d_cols[None, :] < D)
+    if SIDE == 0:
+        dfeat += tl.dot(dA, kf, input_precision=PREC)
+        x_base, x_stride, p_ptr = q_base, sqt, pq_ptr
+    else:
+        dfeat += tl.dot(tl.trans(dA), qf, input_precision=PREC)
+        x_base, x_stride, p_ptr = k_base, skt, pk_ptr
     # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
-    p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
-    qf32 = _softmax_features(_load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt), p_q,
-                             feat_mask, row_mask, PREC)
-    dlq = qf32 * (dqf - tl.sum(qf32 * dqf, axis=1)[:, None])
-    tl.store(dlq_ptr + o_rows[:, None] * M + m_idx[None, :], dlq, mask=fm_mask)
-    dq = tl.dot(dlq.to(dt), tl.trans(p_q), input_precision=PREC)
-    tl.store(dq_ptr + o_rows[:, None] * D + d_cols[None, :], dq.to(dq_ptr.dtype.element_ty),
-             mask=d_mask)
-    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
-    kf32 = _softmax_features(_load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt), p_k,
-                             feat_mask, row_mask, PREC)
-    dlk = kf32 * (dkf - tl.sum(kf32 * dkf, axis=1)[:, None])
-    tl.store(dlk_ptr + o_rows[:, None] * M + m_idx[None, :], dlk, mask=fm_mask)
-    dk = tl.dot(dlk.to(dt), tl.trans(p_k), input_precision=PREC)
-    tl.store(dk_ptr + o_rows[:, None] * D + d_cols[None, :], dk.to(dk_ptr.dtype.element_ty),
-             mask=d_mask)
+    p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
+    f32 = _softmax_features(_load_rows(x_base, t0, T, x_stride, d_cols, D, BT).to(dt), p,
+                            feat_mask, row_mask, PREC)
+    dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
+    tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl,
+             mask=row_mask[:, None] & feat_mask[None, :])
+    dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
+    tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :], dx.to(dx_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & (d_cols[None, :] < D))
 
 
 @triton.jit

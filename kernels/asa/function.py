@@ -162,14 +162,15 @@ class ASAChunkFunction(torch.autograd.Function):
         dv_h = torch.empty(B, T, H, Dv, dtype=kv_grad_dtype, device=q.device)
         dlq = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
-        asa_bwd_chunk_kernel[(NT, B * H)](
-            q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
-            dq, dk_h, dv_h, dlq, dlk,
-            T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
-            PREC=cfg["PREC"], num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+        for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):
+            asa_bwd_chunk_kernel[(NT, B * H)](
+                q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
+                dx, dv_h, dl,
+                T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
+                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                v.stride(0), v.stride(1), v.stride(2),
+                BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
+                PREC=cfg["PREC"], SIDE=side, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)

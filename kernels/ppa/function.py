@@ -132,7 +132,8 @@ class PPAFunction(torch.autograd.Function):
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 unused for 16-bit
         common = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_LOOKUP=plan.use_lookup,
-                      PREC=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                      PREC=precision, UPCAST=q.dtype == torch.bfloat16 and triton_interpreting(),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if T > 0:
             ppa_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
                 q, k, v, o, lse, plan.attended, plan.far, plan.far_count_q,

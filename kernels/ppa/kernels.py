@@ -22,7 +22,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _online_softmax_update(m_i, l_i, acc, scores, values, PREC: tl.constexpr):
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32. UPCAST multiplies fp32 copies of the (already rounded) operands:
+    Triton's interpreter computes bf16 ``tl.dot`` wrongly, so CPU tests of bf16 set it."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _online_softmax_update(m_i, l_i, acc, scores, values, PREC: tl.constexpr,
+                           UPCAST: tl.constexpr):
     """One step of the streaming softmax over a [BM, BN] score tile (log2 domain).
 
     ``values`` is the [BN, BD] value tile; returns the new (m_i, l_i, acc). Fully masked rows
@@ -33,7 +45,7 @@ def _online_softmax_update(m_i, l_i, acc, scores, values, PREC: tl.constexpr):
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(scores - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values, input_precision=PREC)
+    acc = acc * alpha[:, None] + _dot(p.to(values.dtype), values, PREC, UPCAST)
     return m_new, l_i, acc
 
 
@@ -47,9 +59,10 @@ def ppa_fwd_kernel(
     T, H, G, qk_scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # late query blocks meet the most diagonals: launch them first (fewer stragglers)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
@@ -75,7 +88,6 @@ def ppa_fwd_kernel(
 
     # (1) far offsets s > R: one gathered diagonal per offset (the older keys first)
     n_far = tl.load(FAR_COUNT + pid_m)
-    qf = q.to(tl.float32)
     for j in range(0, n_far):
         s = tl.load(FAR + j)
         kpos = offs_m - s
@@ -83,7 +95,7 @@ def ppa_fwd_kernel(
         rows_k = kpos.to(tl.int64)
         k = tl.load(k_base + rows_k[:, None] * stride_kt + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
-        score = tl.sum(qf * k.to(tl.float32), 1) * qk_scale
+        score = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * qk_scale
         score = tl.where(ok, score, float("-inf"))
         v = tl.load(v_base + rows_k[:, None] * stride_vt + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -105,7 +117,7 @@ def ppa_fwd_kernel(
         n_ok = offs_n < T
         k = tl.load(k_base + rows_n[:, None] * stride_kt + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        scores = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale
         dist = offs_m[:, None] - offs_n[None, :]
         ok = (dist >= 0) & (dist <= dense_reach) & n_ok[None, :]
         if USE_LOOKUP:
@@ -113,7 +125,7 @@ def ppa_fwd_kernel(
         scores = tl.where(ok, scores, float("-inf"))
         v = tl.load(v_base + rows_n[:, None] * stride_vt + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, scores, v, PREC)
+        m_i, l_i, acc = _online_softmax_update(m_i, l_i, acc, scores, v, PREC, UPCAST)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -134,10 +146,10 @@ def ppa_bwd_dq_kernel(
     T, H, G, qk_scale, scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dq_i = scale * sum_k P_ik (dP_ik - delta_i) k_k, over the same key sets as the forward."""
-    pid_m = tl.program_id(0)
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy blocks first, as in the forward
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
@@ -163,7 +175,6 @@ def ppa_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     n_far = tl.load(FAR_COUNT + pid_m)
-    qf, dof = q.to(tl.float32), do.to(tl.float32)
     for j in range(0, n_far):
         s = tl.load(FAR + j)
         kpos = offs_m - s
@@ -173,9 +184,9 @@ def ppa_bwd_dq_kernel(
                     mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         v = tl.load(v_base + rows_k[:, None] * stride_vt + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        p = tl.exp2(tl.sum(qf * k, 1) * qk_scale - lse)
+        p = tl.exp2(tl.sum(q.to(tl.float32) * k, 1) * qk_scale - lse)
         p = tl.where(ok, p, 0.0)
-        ds = p * (tl.sum(dof * v, 1) - delta)
+        ds = p * (tl.sum(do.to(tl.float32) * v, 1) - delta)
         dq += ds[:, None] * k
 
     lo = tl.maximum(m0 - dense_reach, 0)
@@ -193,11 +204,11 @@ def ppa_bwd_dq_kernel(
         ok = (dist >= 0) & (dist <= dense_reach) & n_ok[None, :] & q_ok[:, None]
         if USE_LOOKUP:
             ok = ok & (tl.load(ATTENDED + dist, mask=ok, other=0) != 0)
-        scores = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        scores = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale
         p = tl.where(ok, tl.exp2(scores - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        dp = _dot(do, tl.trans(v), PREC, UPCAST)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq += _dot(ds.to(k.dtype), k, PREC, UPCAST)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows_m[:, None] * stride_dqt + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qd_mask)
@@ -215,7 +226,7 @@ def ppa_bwd_dkdv_kernel(
     T, H, G, qk_scale, scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dk, dv of one key block of one key/value head, summed over the G query heads of its group.
 
@@ -240,7 +251,6 @@ def ppa_bwd_dkdv_kernel(
                 mask=kd_mask, other=0.0)
     v = tl.load(V + b * stride_vb + hk * stride_vh + rows_n[:, None] * stride_vt + offs_d[None, :],
                 mask=kd_mask, other=0.0)
-    kf, vf = k.to(tl.float32), v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     n_far = tl.load(FAR_COUNT + pid_n)
@@ -265,9 +275,9 @@ def ppa_bwd_dkdv_kernel(
                          mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             lse = tl.load(lse_base + qpos, mask=ok, other=0.0)
             delta = tl.load(delta_base + qpos, mask=ok, other=0.0)
-            p = tl.where(ok, tl.exp2(tl.sum(kf * q, 1) * qk_scale - lse), 0.0)
+            p = tl.where(ok, tl.exp2(tl.sum(k.to(tl.float32) * q, 1) * qk_scale - lse), 0.0)
             dv += p[:, None] * do
-            ds = p * (tl.sum(vf * do, 1) - delta)
+            ds = p * (tl.sum(v.to(tl.float32) * do, 1) - delta)
             dk += ds[:, None] * q
 
         # dense query tiles: queries [n0, n0 + BLOCK_N + R)
@@ -286,12 +296,12 @@ def ppa_bwd_dkdv_kernel(
             ok = (dist >= 0) & (dist <= dense_reach) & m_ok[None, :] & n_ok[:, None]
             if USE_LOOKUP:
                 ok = ok & (tl.load(ATTENDED + dist, mask=ok, other=0) != 0)
-            scores_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+            scores_t = _dot(k, tl.trans(q), PREC, UPCAST) * qk_scale
             p_t = tl.where(ok, tl.exp2(scores_t - lse[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            dv += _dot(p_t.to(do.dtype), do, PREC, UPCAST)
+            dp_t = _dot(v, tl.trans(do), PREC, UPCAST)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+            dk += _dot(ds_t.to(q.dtype), q, PREC, UPCAST)
 
     tl.store(DK + b * stride_dkb + hk * stride_dkh + rows_n[:, None] * stride_dkt + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kd_mask)

@@ -207,6 +207,22 @@ def _select_anchors(scores: torch.Tensor, valid: torch.Tensor, topk: int):
     return cols, masked.gather(-1, cols), valid.gather(-1, cols)
 
 
+def superlinear_topk_reference(q_s, k, search_power=0.5, sw_index=0, topk=2):
+    """The kept anchors of the reference, [B, T, H, k'] (k' = min(topk, #offsets); -1 where a
+    query has fewer candidates), for comparing kernels' selections."""
+    B, T, H, D = q_s.shape
+    H_kv = k.shape[2]
+    offsets = torch.tensor(anchor_offsets(T, search_power, sw_index), dtype=torch.int64,
+                           device=q_s.device)
+    anchor = torch.arange(T, device=q_s.device)[:, None] - offsets[None, :]  # [T, A]
+    k_anchor = k.float()[:, anchor.clamp(min=0)]  # [B, T, A, H_kv, D]
+    q_s_grouped = q_s.float().reshape(B, T, H_kv, H // H_kv, D)
+    scores = torch.einsum("btkgd,btakd->btkga", q_s_grouped, k_anchor).reshape(B, T, H, -1)
+    cols, _, kept = _select_anchors(scores, (anchor >= 0)[None, :, None, :].expand_as(scores),
+                                    topk)
+    return torch.where(kept, torch.arange(T, device=q_s.device)[:, None, None] - offsets[cols], -1)
+
+
 def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scale: float):
     """Output of queries [i0, i0 + C) in the compute dtype. q, q_s: [B, C, H, D] (this chunk);
     k, v: [B, T, H_kv, D] (the whole sequence, compute dtype). Returns [B, C, H, D]."""

@@ -124,8 +124,7 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
                                help=help_text)
         elif kind in (int, float):
             group.add_argument(flag, type=_number(kind) if optional else kind, default=default,
-                               metavar=kind.__name__.upper(), help=f"{help_text} (default "
-                               f"{default})")
+                               metavar=kind.__name__.upper(), help=help_text)
         else:
             group.add_argument(flag, type=str, default=default, help=help_text)
 
@@ -138,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pretrain_gpt.py",
         usage="torchrun --nproc-per-node N %(prog)s [--config FILE] [flags]",
         description="Pretrain a GPT whose attention layers are megatron_subq variants, with "
-                    "Megatron-LM's flags (torchrun --nproc-per-node N examples/pretrain_gpt.py ...).",
+                    "Megatron-LM's flags. Any flag may also come from --config FILE (YAML/JSON); "
+                    "the command line wins. See docs/training.md.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", default=None, metavar="FILE",
                    help="YAML or JSON file setting any flag by name; the command line overrides it")

@@ -96,7 +96,7 @@ def superlinear_pairs(cfg, L: int) -> Tuple[float, float]:
 def _superlinear_core(cfg, L: int) -> float:
     H, D = cfg.num_attention_heads, cfg.kv_channels
     scores, keys = superlinear_pairs(cfg, L)
-    search_projection = 2.0 * L * H * D * D  # per-head Q_s (D x D)
+    search_projection = 2.0 * L * cfg.hidden_size * H * D  # Q_s: hidden -> H*D (linear_qs)
     return search_projection + 2.0 * scores * H * D + 4.0 * keys * H * D
 
 

@@ -1,0 +1,227 @@
+"""Superlinear attention on Triton kernels: search + top-k, span attention merged with the window,
+the gate; forward and backward for q, q_s, k, v (GQA).
+
+The op splits into three parts:
+
+1. **Search** (``search_topk_kernel``, no gradient): the kept anchors ``sel_t [B, T, H, k]``
+   (-1 where a query has fewer candidates than k).
+2. **Gate** (PyTorch autograd, O(T*k*D)): the kept scores are recomputed differentiably as
+   ``q_s(i) . k(t)`` from the gathered keys, ``gate = softmax`` over the kept slots (a query
+   without any anchor gets the one-hot gate of slot 0, whose span is empty: pure window attention).
+   This is the only path to q_s, as in the definition.
+3. **Span attention** (``SuperlinearSpanFunction``): per (query, slot) pair the attention over
+   span u window, ``A [B, T, H, k, D]``. The window part is computed once per query
+   (``window_fwd_kernel``: output o_w, lse_w); the span part per pair over the span keys outside
+   the window (``span_fwd_kernel``: o_s, lse_s); the union is merged by log-sum-exp:
+   ``A = (e^{lse_s} o_s + e^{lse_w} o_w) / (e^{lse_s} + e^{lse_w})``.
+
+Backward of 3, with ``lse = logaddexp(lse_s, lse_w)`` per pair and ``Delta = rowsum(dA * A)``:
+the span part is an ordinary flash backward per pair (``span_bwd_kernel``, P = e^{s - lse}); the
+window keys are shared by the k pairs of a query, and since P_window,slot = P_w * c_slot with
+``c_slot = e^{lse_w - lse_slot}``, their k backward passes collapse into one window backward
+(``window_bwd_kernel``) with ``dO_w = sum_slot c_slot dA_slot`` and
+``Delta_w = sum_slot c_slot Delta_slot``. dk/dv are accumulated in float32 with atomic adds.
+
+Pairs are bucketed by key footprint: per head, a stable sort of the span start (ties keep query
+order), so a tile of BLOCK_M consecutive pairs reads one contiguous run of key blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from megatron_subq.ops.dispatch import triton_interpreting
+from megatron_subq.ops.superlinear import superlinear_plan
+
+from .kernels import (search_topk_kernel, span_bwd_kernel, span_fwd_kernel, window_bwd_kernel,
+                      window_fwd_kernel)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def launch_config(head_dim: int, block_m: Optional[int] = None,
+                  block_n: Optional[int] = None) -> LaunchConfig:
+    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+    default = 16 if triton_interpreting() else 64  # the interpreter runs programs in numpy
+    bd = max(16, triton.next_power_of_2(head_dim))
+    return LaunchConfig(block_m=block_m or default, block_n=block_n or default,
+                        num_warps=4 if bd <= 64 else 8)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
+
+
+def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk: int,
+                cfg: LaunchConfig):
+    """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf)."""
+    B, T, H, D = q_s.shape
+    H_kv = k.shape[2]
+    sel_t = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_s.device)
+    sel_s = torch.empty(B, H, T, topk, dtype=torch.float32, device=q_s.device)
+    grid = (triton.cdiv(T, cfg.block_m), B * H)
+    search_topk_kernel[grid](
+        q_s, k, offsets, sel_t, sel_s, T, offsets.numel(), H, H // H_kv, D,
+        q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        BLOCK_M=cfg.block_m, BLOCK_D=max(16, triton.next_power_of_2(D)), TOPK=topk,
+        TOPK_PAD=max(2, triton.next_power_of_2(topk)), num_warps=cfg.num_warps)
+    return sel_t, sel_s
+
+
+def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, window: int):
+    """[lo, hi] of every pair's span keys outside the window ([B, H, T, k] int32; a slot without
+    anchor gets lo = T, hi = -1: empty)."""
+    T = sel_t.shape[2]
+    pos = torch.arange(T, device=sel_t.device)[:, None]
+    t = sel_t.long()
+    win_lo = (pos - window + 1).clamp(min=0) if window > 0 else pos + 1
+    lo = (t - back[:, None]).clamp(min=0)
+    hi = torch.minimum(torch.minimum(t + fwd[:, None], pos), win_lo - 1)
+    valid = t >= 0
+    lo = torch.where(valid, lo, T)
+    hi = torch.where(valid, hi, -1)
+    return lo.to(torch.int32), hi.to(torch.int32)
+
+
+class SuperlinearSpanFunction(torch.autograd.Function):
+    """(q, k, v, span lo/hi per pair, window) -> A [B, T, H, k, D] (float32): per (query, slot)
+    pair, softmax attention over the pair's span keys (outside the window) and the window."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig):
+        B, T, H, D = q.shape
+        H_kv = k.shape[2]
+        topk = lo.shape[-1]
+        P = T * topk
+        scale = 1.0 / math.sqrt(D)
+        block_d = max(16, triton.next_power_of_2(D))
+        prec = _precision(q.dtype)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+        dev = q.device
+
+        o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
+        lse_w = torch.full((B * H, T), float("-inf"), dtype=torch.float32, device=dev)
+        if window > 0:
+            window_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+                q, k, v, o_w, lse_w, T, H, H // H_kv, D, window, scale, *strides,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+                num_warps=cfg.num_warps)
+
+        lo_f, hi_f = lo.reshape(B * H, P).contiguous(), hi.reshape(B * H, P).contiguous()
+        order = torch.sort(lo_f, dim=1, stable=True).indices.to(torch.int32).contiguous()
+        o_s = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
+        lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
+        span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
+            q, k, v, order, lo_f, hi_f, o_s, lse_s, T, P, H, H // H_kv, D, scale, *strides,
+            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            PRECISION=prec, num_warps=cfg.num_warps)
+
+        # merge span and window by log-sum-exp (a pair with neither gets A = 0)
+        o_s = o_s.view(B * H, T, topk, D)
+        lse_s = lse_s.view(B * H, T, topk)
+        lse = torch.logaddexp(lse_s, lse_w[..., None])
+        finite = torch.isfinite(lse)
+        lse_safe = torch.where(finite, lse, 0.0)
+        w_s = torch.where(finite, torch.exp(lse_s - lse_safe), 0.0)
+        w_w = torch.where(finite, torch.exp(lse_w[..., None] - lse_safe), 0.0)
+        a = w_s[..., None] * o_s + w_w[..., None] * o_w[:, :, None, :]  # [B*H, T, k, D]
+
+        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
+        ctx.window, ctx.cfg = window, cfg
+        return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
+
+    @staticmethod
+    def backward(ctx, d_a):
+        q, k, v, order, lo_f, hi_f, a, lse, lse_w = ctx.saved_tensors
+        window, cfg = ctx.window, ctx.cfg
+        B, T, H, D = q.shape
+        H_kv = k.shape[2]
+        topk = a.shape[2]
+        P = T * topk
+        scale = 1.0 / math.sqrt(D)
+        block_d = max(16, triton.next_power_of_2(D))
+        prec = _precision(q.dtype)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+        dev = q.device
+
+        d_a = d_a.permute(0, 2, 1, 3, 4).reshape(B * H, T, topk, D).float().contiguous()
+        delta = (d_a * a).sum(-1)  # [B*H, T, k]
+        dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
+        dv = torch.zeros_like(dk)
+
+        dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
+        span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
+            q, k, v, order, lo_f, hi_f, d_a, lse.contiguous(), delta.contiguous(), dq_pairs,
+            dk, dv, T, P, H, H // H_kv, D, scale, *strides,
+            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            PRECISION=prec, num_warps=cfg.num_warps)
+        dq = dq_pairs.view(B * H, T, topk, D).sum(2)
+
+        if window > 0:
+            finite = torch.isfinite(lse) & torch.isfinite(lse_w)[..., None]
+            c = torch.where(finite, torch.exp(lse_w[..., None] - torch.where(finite, lse, 0.0)),
+                            0.0)  # [B*H, T, k]
+            do_w = (c[..., None] * d_a).sum(2).contiguous()
+            delta_w = (c * delta).sum(2).contiguous()
+            dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
+            window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+                q, k, v, do_w, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D, window, scale,
+                *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                PRECISION=prec, num_warps=cfg.num_warps)
+            dq = dq + dq_w
+
+        dq = dq.view(B, H, T, D).transpose(1, 2).to(q.dtype)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
+                                 backward_factor=2.0, forward_factor=0.0, sw_index=0,
+                                 block_m: Optional[int] = None, block_n: Optional[int] = None):
+    """``ops.superlinear_attention`` on the kernels (arguments checked by the op). Returns
+    [B, T, H, D] in q's dtype."""
+    out_dtype = q.dtype
+    if out_dtype == torch.bfloat16 and triton_interpreting():
+        # Triton's interpreter computes bf16 tl.dot wrongly: there (only) run on fp32 copies;
+        # autograd casts the gradients back to bf16. GPUs run the bf16 tensor-core path.
+        q, q_s, k, v = (x.float() for x in (q, q_s, k, v))
+    q, q_s, k, v = (x.contiguous() for x in (q, q_s, k, v))
+    B, T, H, D = q.shape
+    group = H // k.shape[2]
+    cfg = launch_config(D, block_m, block_n)
+    plan = superlinear_plan(T, search_power, span_power, backward_factor, forward_factor,
+                            sw_index, device=q.device)
+    offsets = plan.offsets.to(torch.int32)
+    if offsets.numel() == 0:  # no query has an anchor (the window covers every prefix)
+        offsets = torch.full((1,), T, dtype=torch.int32, device=q.device)
+
+    with torch.no_grad():
+        sel_t, _ = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
+    valid = (sel_t >= 0).transpose(1, 2)  # [B, T, H, k]
+
+    # the gate, differentiable in q_s and k: the kept scores recomputed from gathered keys
+    t_idx = sel_t.transpose(1, 2).clamp(min=0).long()  # [B, T, H, k]
+    kv_head = (torch.arange(H, device=q.device) // group)[None, None, :, None]
+    rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, T*H_kv, D]
+    k_sel = k.reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
+    scores = torch.einsum("bthd,bthkd->bthk", q_s.float(),
+                          k_sel.reshape(B, T, H, topk, D).float())
+    gate = torch.softmax(scores.masked_fill(~valid, torch.finfo(torch.float32).min), -1) * valid
+    no_anchor = ~valid.any(-1, keepdim=True)
+    slot0 = torch.zeros_like(gate)
+    slot0[..., 0] = 1.0
+    gate = torch.where(no_anchor, slot0, gate)
+
+    lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
+    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg)  # [B, T, H, k, D]
+    out = torch.einsum("bthk,bthkd->bthd", gate, a)
+    return out.to(out_dtype)

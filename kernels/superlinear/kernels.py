@@ -1,0 +1,284 @@
+"""Triton kernels of Superlinear attention (N=2); the host side is ``function.py``.
+
+Layouts: q, q_s ``[B, T, H, D]``, k, v ``[B, T, H_kv, D]`` (query head h reads key head
+h // GROUP), contiguous. Statistics and per-pair outputs are float32. Every kernel takes fixed
+block sizes (no autotuning: the same code runs under ``TRITON_INTERPRET=1``).
+
+* ``search_topk_kernel``: one program per (query block, b*h). The candidate anchors of query i are
+  i - d_a for the fixed offsets d_a (``ops.superlinear.anchor_offsets``), so for one offset the
+  anchors of a query block are a contiguous run of keys: one masked row load per offset. Scores
+  q_s . k are kept as a running top-k in registers (insertion in a [BLOCK_M, TOPK_PAD] tile; a
+  later, i.e. farther, anchor enters only with a strictly larger score, so ties go to the nearer
+  anchor as in the reference). Nothing of size #anchors is written to memory.
+* ``window_fwd_kernel`` / ``window_bwd_kernel``: causal sliding-window attention (keys
+  [i - w + 1, i]) in flash style, returning the normalised output and its log-sum-exp; backward
+  with the window's effective dO and D (see ``function.py``), dk/dv by atomic adds (GQA).
+* ``span_fwd_kernel`` / ``span_bwd_kernel``: one row per (query, kept anchor) *pair*. The pairs of
+  a head are ordered by span start (host: a stable sort of the start, i.e. bucketed by key block),
+  so a tile of BLOCK_M pairs reads one contiguous key footprint [min lo, max hi] in BLOCK_N blocks
+  with per-row masks. The span part excludes window keys (the union S_t u W is de-duplicated);
+  the host merges it with the window by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, A, H, GROUP, D,
+                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TOPK: tl.constexpr,
+                       TOPK_PAD: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    d_mask = offs_d < D
+    qs = tl.load(QS + b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+
+    slot = tl.arange(0, TOPK_PAD)
+    real_slot = slot[None, :] < TOPK
+    # shift[j, j'] = (j' == j - 1): moves slot j-1 to slot j
+    shift = slot[None, :] == (slot[:, None] - 1)
+    best_s = tl.full([BLOCK_M, TOPK_PAD], float("-inf"), tl.float32)
+    best_t = tl.full([BLOCK_M, TOPK_PAD], -1, tl.int32)
+    last_query = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    for a in range(0, A):
+        d = tl.load(OFF + a)
+        if d <= last_query:  # offsets grow: later ones only reach later queries
+            t = offs_m - d
+            ok = m_mask & (t >= 0)
+            k = tl.load(K + b * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                        mask=ok[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            s = tl.sum(qs * k, axis=1)
+            s = tl.where(ok, s, float("-inf"))
+            # insertion position: slots holding a score >= s stay ahead (ties keep the nearer)
+            pos = tl.sum(((best_s >= s[:, None]) & real_slot).to(tl.int32), axis=1)
+            prev_s = tl.max(tl.where(shift[None, :, :], best_s[:, None, :], float("-inf")), axis=2)
+            prev_t = tl.max(tl.where(shift[None, :, :], best_t[:, None, :], -1), axis=2)
+            insert = ok[:, None] & real_slot
+            here = slot[None, :] == pos[:, None]
+            after = slot[None, :] > pos[:, None]
+            best_s = tl.where(insert & here, s[:, None],
+                              tl.where(insert & after, prev_s, best_s))
+            best_t = tl.where(insert & here, t[:, None],
+                              tl.where(insert & after, prev_t, best_t))
+    out = pid_bh * T * TOPK + offs_m[:, None] * TOPK + slot[None, :]
+    out_mask = m_mask[:, None] & real_slot
+    tl.store(SEL_T + out, best_t, mask=out_mask)
+    tl.store(SEL_S + out, best_s, mask=out_mask)
+
+
+@triton.jit
+def window_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP, D, W, scale,
+                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    d_mask = offs_d < D
+    q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_lo = pid_m * BLOCK_M
+    lo = tl.maximum(q_lo - W + 1, 0)  # W >= 1 (the host skips an empty window)
+    hi = tl.minimum(q_lo + BLOCK_M, T)
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        cols = n0 + offs_n
+        kv_mask = (cols < T)[:, None] & d_mask[None, :]
+        k = tl.load(K + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        inside = (cols[None, :] <= offs_m[:, None]) & (cols[None, :] > offs_m[:, None] - W)
+        s = tl.where(inside & (cols < T)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    row = pid_bh * T + offs_m
+    tl.store(O + row[:, None] * D + offs_d[None, :], o, mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(LSE + row, lse, mask=m_mask)
+
+
+@triton.jit
+def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, scale,
+                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """DO, LSE, DELTA: the window's effective dO [B*H, T, D], its lse and D (float32).
+    DQ [B*H, T, D] is written; DK, DV [B, T, H_kv, D] (float32) are accumulated atomically."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    d_mask = offs_d < D
+    md_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                mask=md_mask, other=0.0)
+    row = pid_bh * T + offs_m
+    do = tl.load(DO + row[:, None] * D + offs_d[None, :], mask=md_mask, other=0.0)
+    lse = tl.load(LSE + row, mask=m_mask, other=float("-inf"))
+    delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # no window keys: p = 0
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    q_lo = pid_m * BLOCK_M
+    lo = tl.maximum(q_lo - W + 1, 0)  # W >= 1 (the host skips an empty window)
+    hi = tl.minimum(q_lo + BLOCK_M, T)
+    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols < T
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        inside = (cols[None, :] <= offs_m[:, None]) & (cols[None, :] > offs_m[:, None] - W)
+        inside = inside & n_mask[None, :] & m_mask[:, None]
+        p = tl.where(inside, tl.exp(s - lse_safe[:, None]), 0.0)
+        dp = tl.dot(do.to(v.dtype), tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None]) * scale
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p).to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
+        kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
+        tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
+        tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+    tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=md_mask)
+
+
+@triton.jit
+def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, T, P, H, GROUP, D, scale,
+                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Pairs p = i * TOPK + slot of head b*h, taken in the order ORDER [B*H, P]; LO/HI [B*H, P]
+    (natural order) bound the span keys outside the window (empty if HI < LO). Writes the
+    normalised span output O [B*H, P, D] and its lse [B*H, P] (natural order)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_mask = offs < P
+    d_mask = offs_d < D
+    pair = tl.load(ORDER + pid_bh * P + offs, mask=p_mask, other=0)
+    qi = pair // TOPK
+    lo = tl.load(LO + pid_bh * P + pair, mask=p_mask, other=T)
+    hi = tl.load(HI + pid_bh * P + pair, mask=p_mask, other=-1)
+    live = p_mask & (hi >= lo)
+    q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    foot_lo = tl.min(tl.where(live, lo, T), axis=0)
+    foot_hi = tl.max(tl.where(live, hi, -1), axis=0)
+    for n0 in range((foot_lo // BLOCK_N) * BLOCK_N, foot_hi + 1, BLOCK_N):
+        cols = n0 + offs_n
+        kv_mask = (cols < T)[:, None] & d_mask[None, :]
+        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None]) & live[:, None]
+        s = tl.where(inside, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    out = pid_bh * P + pair
+    tl.store(O + out[:, None] * D + offs_d[None, :], o, mask=p_mask[:, None] & d_mask[None, :])
+    tl.store(LSE + out, lse, mask=p_mask)
+
+
+@triton.jit
+def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H, GROUP, D, scale,
+                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Backward of the span part of every pair: DA [B*H, P, D] is dL/dA of the pair, LSE its
+    merged (span u window) lse and DELTA = rowsum(dA * A). Writes the pair's dq [B*H, P, D];
+    accumulates DK, DV [B, T, H_kv, D] (float32) atomically."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_mask = offs < P
+    d_mask = offs_d < D
+    pd_mask = p_mask[:, None] & d_mask[None, :]
+    pair = tl.load(ORDER + pid_bh * P + offs, mask=p_mask, other=0)
+    qi = pair // TOPK
+    lo = tl.load(LO + pid_bh * P + pair, mask=p_mask, other=T)
+    hi = tl.load(HI + pid_bh * P + pair, mask=p_mask, other=-1)
+    live = p_mask & (hi >= lo)
+    q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=pd_mask,
+                other=0.0)
+    row = pid_bh * P + pair
+    da = tl.load(DA + row[:, None] * D + offs_d[None, :], mask=pd_mask, other=0.0)
+    lse = tl.load(LSE + row, mask=p_mask, other=float("-inf"))
+    delta = tl.load(DELTA + row, mask=p_mask, other=0.0)
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    foot_lo = tl.min(tl.where(live, lo, T), axis=0)
+    foot_hi = tl.max(tl.where(live, hi, -1), axis=0)
+    for n0 in range((foot_lo // BLOCK_N) * BLOCK_N, foot_hi + 1, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols < T
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None]) & live[:, None]
+        p = tl.where(inside, tl.exp(s - lse_safe[:, None]), 0.0)
+        dp = tl.dot(da.to(v.dtype), tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None]) * scale
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p).to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
+        kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
+        tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
+        tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+    tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=pd_mask)

@@ -1,0 +1,204 @@
+"""Superlinear's Triton kernels against the PyTorch reference: forward, every gradient, top-k.
+
+Without CUDA the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set below before
+triton is imported) on small CPU shapes with fixed launch configs (16 x 16 tiles); the
+``gpu``-marked tests cover large shapes, GQA 32/2 with d = 128 and the half dtypes' tensor-core
+paths on a GPU.
+
+Error measure: relative RMS, ``‖x − ref‖₂ / ‖ref‖₂`` per output (o, dq, dq_s, dk, dv), the
+reference computed in fp32 (chunked form) from the same (rounded) inputs; where a gradient is zero
+by the math (dq_s when no query has two anchors to gate) its largest absolute value is held to
+the bound instead (inputs and dO are O(1)). Bounds:
+
+* fp32 inputs: 1e-5 (fp32 arithmetic throughout, ieee dots; seen ≤ 3e-7 in the interpreter);
+* fp16: 3e-3 (fp16 matmul operands with fp32 accumulation; seen ≤ 5e-4);
+* bf16: 2e-2 (bf16 operands, 8-bit mantissa; seen ≤ 2e-3 in the interpreter, which runs bf16 on
+  fp32 copies because its bf16 ``tl.dot`` is wrong — the GPU tests check the real bf16
+  tensor-core path against the same bound).
+
+Top-k: the kernel's kept anchors equal the reference's for every (b, t, h) whose candidate
+scores have no exact tie at the k-th place (random inputs: all of them, checked).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
+
+triton = pytest.importorskip("triton")
+
+from megatron_subq import ops  # noqa: E402
+from megatron_subq.ops.superlinear import (  # noqa: E402
+    superlinear_attention_reference,
+    superlinear_topk_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+NAMES = ("o", "dq", "dq_s", "dk", "dv")
+
+
+def _kernel_module():
+    """The kernel package, re-imported under the interpreter if it was first imported without."""
+    import importlib
+
+    from megatron_subq.kernels.superlinear import function, kernels
+
+    if DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(kernels.search_topk_kernel, InterpretedFunction):
+            importlib.reload(kernels)
+            importlib.reload(function)
+            import megatron_subq.kernels.superlinear as pkg
+
+            importlib.reload(pkg)
+    import megatron_subq.kernels.superlinear as pkg
+
+    return pkg
+
+
+KERNEL = _kernel_module()
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _inputs(B, T, H, H_kv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = ((B, T, H, D), (B, T, H, D), (B, T, H_kv, D), (B, T, H_kv, D))
+    return [torch.randn(s, generator=g).to(device=DEVICE, dtype=dtype).requires_grad_()
+            for s in shapes]
+
+
+def _compare(shape, knobs, dtype, seed=0, **launch):
+    """Kernel vs fp32 reference on the same rounded inputs: forward and all gradients."""
+    args = _inputs(*shape, dtype=dtype, seed=seed)
+    if launch:
+        out = KERNEL.superlinear_attention_kernel(*args, **knobs, **launch)
+    else:
+        out = ops.superlinear_attention(*args, **knobs, impl="kernel")
+    assert out.dtype == dtype and out.shape == args[0].shape
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out)
+    grads = torch.autograd.grad(out, args, d_out)
+    ref_args = [a.detach().float().requires_grad_() for a in args]
+    ref = superlinear_attention_reference(*ref_args, **knobs)
+    ref_grads = torch.autograd.grad(ref, ref_args, d_out.float())
+    errors = {}
+    for name, x, r in zip(NAMES, (out,) + grads, (ref,) + ref_grads):
+        errors[name] = rel_rms(x, r) if r.norm() > 0 else x.abs().max().item()
+    bound = BOUNDS[dtype]
+    bad = {n: e for n, e in errors.items() if not e <= bound}
+    assert not bad, f"{shape} {knobs} {dtype}: {bad} > {bound} (all: {errors})"
+    return errors
+
+
+# (B, T, H, H_kv, D), knobs: ragged T, GQA, windows, forward spans, p = 1/3, few anchors
+CPU_CASES = [
+    ((2, 37, 4, 2, 8), dict(sw_index=1, forward_factor=0.5)),
+    ((1, 50, 2, 1, 16), dict(topk=3)),
+    ((1, 33, 2, 1, 8), dict(search_power=1 / 3, span_power=2 / 3, backward_factor=3.0,
+                            sw_index=2)),
+    ((1, 20, 2, 2, 8), dict(sw_index=6)),  # w = 48 > T: no anchors, pure window attention
+    ((1, 1, 2, 2, 8), dict()),
+]
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_kernel_matches_reference_fp32(shape, knobs):
+    _compare(shape, knobs, torch.float32)
+
+
+def test_kernel_other_launch_config():
+    """Tiles of 32 queries (pairs) and 16 keys: footprints spanning several key blocks."""
+    _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32,
+             block_m=32, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_half_dtypes(dtype):
+    _compare((1, 29, 4, 2, 16), dict(sw_index=1, forward_factor=0.5), dtype)
+
+
+@pytest.mark.parametrize("knobs", [dict(topk=2, sw_index=1), dict(topk=3, search_power=1 / 3,
+                                                                    span_power=2 / 3,
+                                                                    backward_factor=3.0)])
+def test_topk_indices_agree_with_reference(knobs):
+    B, T, H, H_kv, D = 2, 60, 4, 2, 8
+    q, q_s, k, v = (x.detach() for x in _inputs(B, T, H, H_kv, D, torch.float32, seed=3))
+    cfg = KERNEL.launch_config(D)
+    plan_offsets = torch.tensor(ops.superlinear.anchor_offsets(T, knobs.get("search_power", 0.5),
+                                                               knobs.get("sw_index", 0)),
+                                dtype=torch.int32, device=DEVICE)
+    sel_t, sel_s = KERNEL.search_topk(q_s.contiguous(), k.contiguous(), plan_offsets,
+                                      knobs["topk"], cfg)
+    ref = superlinear_topk_reference(q_s, k, knobs.get("search_power", 0.5),
+                                     knobs.get("sw_index", 0), knobs["topk"])
+    got = sel_t.transpose(1, 2).long()
+    assert got.shape == ref.shape
+    assert torch.equal(got, ref)
+    # the kept scores are the search scores of the kept anchors, best first
+    valid = got >= 0
+    s = sel_s.transpose(1, 2)
+    assert torch.all(s[..., :-1][valid[..., 1:]] >= s[..., 1:][valid[..., 1:]])
+
+
+def test_topk_ties_go_to_the_nearest_anchor():
+    """q_s = 0: every score ties; the kernel keeps the nearest candidates, as the reference."""
+    B, T, H, D = 1, 40, 2, 8
+    q, q_s, k, v = (x.detach() for x in _inputs(B, T, H, H, D, torch.float32))
+    offsets = torch.tensor(ops.superlinear.anchor_offsets(T, 0.5, 1), dtype=torch.int32,
+                           device=DEVICE)
+    sel_t, _ = KERNEL.search_topk(torch.zeros_like(q_s), k.contiguous(), offsets, 2,
+                                  KERNEL.launch_config(D))
+    ref = superlinear_topk_reference(torch.zeros_like(q_s), k, 0.5, 1, 2)
+    assert torch.equal(sel_t.transpose(1, 2).long(), ref)
+    assert sel_t[0, 0, 39].tolist() == [36, 31]  # offsets 3 and 8
+
+
+def test_dispatch():
+    q, q_s, k, v = (x.detach() for x in _inputs(1, 9, 2, 1, 8, torch.float32))
+    if DEVICE == "cpu":
+        # without the interpreter flag, impl=None on CPU tensors is the reference
+        os.environ["TRITON_INTERPRET"] = "0"
+        try:
+            with pytest.raises(ValueError, match="CUDA"):
+                ops.superlinear_attention(q, q_s, k, v, impl="kernel")
+        finally:
+            os.environ["TRITON_INTERPRET"] = "1"
+    torch.testing.assert_close(ops.superlinear_attention(q, q_s, k, v, impl="kernel"),
+                               ops.superlinear_attention(q, q_s, k, v, impl="reference"),
+                               rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU scale (skipped without CUDA)
+# ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape,knobs", [
+    ((1, 4096, 8, 2, 128), dict(sw_index=8, backward_factor=4.0, forward_factor=2.0)),
+    ((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0)),
+    ((2, 2048, 4, 4, 64), dict(topk=3, search_power=1 / 3, span_power=2 / 3,
+                              backward_factor=3.0)),
+], ids=["4k-h8-kv2", "3001-gqa32-2", "2k-p1/3"])
+def test_kernel_matches_reference_gpu(shape, knobs, dtype):
+    _compare(shape, knobs, dtype)
+
+
+@pytest.mark.gpu
+def test_topk_indices_gpu_nemotron_layout():
+    B, T, H, H_kv, D = 1, 8192, 32, 2, 128
+    q, q_s, k, v = (x.detach() for x in _inputs(B, T, H, H_kv, D, torch.bfloat16, seed=5))
+    offsets = torch.tensor(ops.superlinear.anchor_offsets(T, 0.5, 32), dtype=torch.int32,
+                           device=DEVICE)
+    sel_t, _ = KERNEL.search_topk(q_s, k, offsets, 2, KERNEL.launch_config(D))
+    ref = superlinear_topk_reference(q_s, k, 0.5, 32, 2)
+    mismatch = (sel_t.transpose(1, 2).long() != ref).any(-1)
+    # bf16 inputs, fp32 scores in both; summation order may flip a near tie only
+    assert mismatch.float().mean().item() < 1e-4
