@@ -63,7 +63,8 @@ def test_offsets_for_p_k_over_8_match_integer_boundaries(k):
 def test_offsets_follow_the_definition(power):
     """S_p = {j >= 1 : floor(j^p) - floor((j-1)^p) = 1}, straight from the definition."""
     M = 3000
-    expected = [j for j in range(1, M + 1) if floor_power(j, power) - floor_power(j - 1, power) == 1]
+    expected = [j for j in range(1, M + 1)
+                if floor_power(j, power) - floor_power(j - 1, power) == 1]
     assert ppa_offsets(power, M) == expected
 
 

@@ -162,8 +162,8 @@ def bench_ppa(args, T: int, dtype) -> List[Row]:
     offsets = sorted(set(range(min(w, T - 1) + 1)) | set(ppa_offsets(p, T - 1)))
     pairs = sum(T - d for d in offsets)  # query i meets key i - d for every attended d <= i
     elt = torch.finfo(dtype).bits // 8
-    info = {"fwd_flops": 4 * B * H * D * pairs, "fwd_min_bytes": elt * B * T * D * (2 * H + 2 * H_kv),
-            "pairs_per_query": pairs / T}
+    info = {"fwd_flops": 4 * B * H * D * pairs, "pairs_per_query": pairs / T,
+            "fwd_min_bytes": elt * B * T * D * (2 * H + 2 * H_kv)}
     rows = []
     for gap in (int(g) for g in args.ppa_dense_gap.split(",")):
         def run(gap=gap):

@@ -36,8 +36,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-INV_SQRT2 = 0.7071067811865476
-SQRT2 = 1.4142135623730951
+INV_SQRT2 = tl.constexpr(0.7071067811865476)  # jit globals must be constexpr
+SQRT2 = tl.constexpr(1.4142135623730951)
 
 
 @triton.jit
@@ -291,16 +291,41 @@ def approx_bwd_states_kernel(
 
 
 @triton.jit
-def approx_bwd_dqk_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s1_ptr, s2_ptr, z_ptr, ds1_ptr, ds2_ptr, dz_ptr,
-    dq_ptr, dk_ptr,
+def _dM_and_E(do_ptr, v_ptr, q_base, kv_base, rd1, rd2, r1, r2, t0, T, H, HKV, D, like_ptr,
+              BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr):
+    """E_t = tril(dO vᵀ / d_t + r_t 1ᵀ), t = 1, 2 ([BT, BT] fp32), dO vᵀ a V-block at a time."""
+    dM = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, D, BV):
+        v_cols = v0 + tl.arange(0, BV)
+        do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
+        v = _tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT)
+        dM += tl.dot(_operand(do, like_ptr, DOT_F32), tl.trans(_operand(v, like_ptr, DOT_F32)),
+                     input_precision=PREC)
+    causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
+    E1 = tl.where(causal, dM * rd1[:, None] + r1[:, None], 0.0)
+    E2 = tl.where(causal, dM * rd2[:, None] + r2[:, None], 0.0)
+    return E1, E2
+
+
+@triton.jit
+def _bwd_row_terms(den_ptr, r_ptr, pid_bh, rows, row_ok, T, eps):
+    """1/d_t and r_t of one head's rows (t = 1, 2)."""
+    den1 = tl.load(den_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=1.0)
+    den2 = tl.load(den_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=1.0)
+    r1 = tl.load(r_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=0.0)
+    r2 = tl.load(r_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=0.0)
+    return 1.0 / _safe(den1, eps), 1.0 / _safe(den2, eps), r1, r2
+
+
+@triton.jit
+def approx_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s1_ptr, s2_ptr, z_ptr, dq_ptr,
     T, H, HKV, G, D, NT, scale, eps,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """grid (NT, B*H): dq of query head h in chunk c, and its share of dk (the later chunks'
-    dS, dz part once per group, from g = 0) into dk_ptr ([B, T, H, D]). The value dimension
-    (dO, v, the D × D states) is walked in blocks of BV columns."""
+    """grid (NT, B*H): dq of query head h in chunk c: σ (da1 + √2 q~ ⊙ da2) with
+    da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ (dO and S_t a V-block of BV columns at a time)."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -312,24 +337,14 @@ def approx_bwd_dqk_kernel(
     d_ok = d_cols < D
     q_base = (b * T * H + h) * D
     kv_base = (b * T * HKV + hk) * D
-    den1 = tl.load(den_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=1.0)
-    den2 = tl.load(den_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=1.0)
-    r1 = tl.load(r_ptr + pid_bh * 2 * T + rows, mask=row_ok, other=0.0)
-    r2 = tl.load(r_ptr + pid_bh * 2 * T + T + rows, mask=row_ok, other=0.0)
-    rd1 = 1.0 / _safe(den1, eps)
-    rd2 = 1.0 / _safe(den2, eps)
+    rd1, rd2, r1, r2 = _bwd_row_terms(den_ptr, r_ptr, pid_bh, rows, row_ok, T, eps)
     s_base = (st * NT + c) * D * D
     z_base = (st * NT + c) * 2 * D
-    # the earlier chunks' part of da_t, (dO/d_t) S_tᵀ, and dM = dO vᵀ, a V-block at a time
-    dM = tl.zeros([BT, BT], dtype=tl.float32)
     da1 = tl.zeros([BT, BD], dtype=tl.float32)
     da2 = tl.zeros([BT, BD], dtype=tl.float32)
-    for v0 in range(0, D, BV):
+    for v0 in range(0, D, BV):  # the earlier chunks' part, (dO/d_t) S_tᵀ
         v_cols = v0 + tl.arange(0, BV)
         do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
-        v = _tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT)
-        dM += tl.dot(_operand(do, q_ptr, DOT_F32), tl.trans(_operand(v, q_ptr, DOT_F32)),
-                     input_precision=PREC)
         s_off = s_base + d_cols[:, None] * D + v_cols[None, :]
         s_mask = d_ok[:, None] & (v_cols[None, :] < D)
         S1 = _operand(tl.load(s1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
@@ -338,10 +353,8 @@ def approx_bwd_dqk_kernel(
                       input_precision=PREC)
         da2 += tl.dot(_operand(do * rd2[:, None], q_ptr, DOT_F32), tl.trans(S2),
                       input_precision=PREC)
-    causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
-    E1 = tl.where(causal, dM * rd1[:, None] + r1[:, None], 0.0)
-    E2 = tl.where(causal, dM * rd2[:, None] + r2[:, None], 0.0)
-    # dq: da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ
+    E1, E2 = _dM_and_E(do_ptr, v_ptr, q_base, kv_base, rd1, rd2, r1, r2, t0, T, H, HKV, D, q_ptr,
+                       BT, BV, PREC, DOT_F32)
     b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
     z1 = tl.load(z_ptr + z_base + d_cols, mask=d_ok, other=0.0)
     z2 = tl.load(z_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
@@ -351,15 +364,41 @@ def approx_bwd_dqk_kernel(
                   input_precision=PREC) + r2[:, None] * z2[None, :]
     a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
     dq = scale * (da1 + SQRT2 * a1 * da2)
-    out_mask = row_ok[:, None] & d_ok[None, :]
     offs = q_base + rows[:, None] * (H * D) + d_cols[None, :]
-    tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=out_mask)
-    # this head's share of dk: db_t = E_tᵀ a_t (+ v dS_tᵀ + dz_t once per group)
+    tl.store(dq_ptr + offs, dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def approx_bwd_dk_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, ds1_ptr, ds2_ptr, dz_ptr, dk_ptr,
+    T, H, HKV, G, D, NT, scale, eps,
+    BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (NT, B*H): query head h's share of dk in chunk c ([B, T, H, D]): σ (db1 + √2 k~ ⊙ db2)
+    with db_t = E_tᵀ a_t, plus v dS_tᵀ + dz_t (the later chunks) once per group, from g = 0."""
+    c, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    hk = h // G
+    st = b * HKV + hk
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    d_cols = tl.arange(0, BD)
+    d_ok = d_cols < D
+    q_base = (b * T * H + h) * D
+    kv_base = (b * T * HKV + hk) * D
+    rd1, rd2, r1, r2 = _bwd_row_terms(den_ptr, r_ptr, pid_bh, rows, row_ok, T, eps)
+    E1, E2 = _dM_and_E(do_ptr, v_ptr, q_base, kv_base, rd1, rd2, r1, r2, t0, T, H, HKV, D, q_ptr,
+                       BT, BV, PREC, DOT_F32)
+    a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale
     db1 = tl.dot(tl.trans(_operand(E1, q_ptr, DOT_F32)), _operand(a1, q_ptr, DOT_F32),
                  input_precision=PREC)
     db2 = tl.dot(tl.trans(_operand(E2, q_ptr, DOT_F32)), _operand(_square(a1), q_ptr, DOT_F32),
                  input_precision=PREC)
     if h % G == 0:
+        s_base = (st * NT + c) * D * D
+        z_base = (st * NT + c) * 2 * D
         for v0 in range(0, D, BV):
             v_cols = v0 + tl.arange(0, BV)
             v = _operand(_tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT), q_ptr, DOT_F32)
@@ -374,8 +413,10 @@ def approx_bwd_dqk_kernel(
         valid = row_ok[:, None]  # padded tokens get no dz
         db1 += tl.where(valid, dz1[None, :], 0.0)
         db2 += tl.where(valid, dz2[None, :], 0.0)
+    b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
     dk = scale * (db1 + SQRT2 * b1 * db2)
-    tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)
+    offs = q_base + rows[:, None] * (H * D) + d_cols[None, :]
+    tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit

@@ -14,7 +14,8 @@ import triton
 from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
 
 from .chunk import (
-    approx_bwd_dqk_kernel,
+    approx_bwd_dk_kernel,
+    approx_bwd_dq_kernel,
     approx_bwd_dv_kernel,
     approx_bwd_prep_kernel,
     approx_bwd_states_kernel,
@@ -121,11 +122,12 @@ class ApproxChunkFunction(torch.autograd.Function):
         dq = torch.empty_like(q)
         dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
         dv_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
-        approx_bwd_dqk_kernel[(NT, B * H)](
-            q, k, v, d_o, den, r, s1, s2, z, ds1, ds2, dz, dq, dk_h,
-            T, H, H_kv, G, D, NT, scale, eps,
-            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
+        common = dict(BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
+                      DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
+        approx_bwd_dq_kernel[(NT, B * H)](
+            q, k, v, d_o, den, r, s1, s2, z, dq, T, H, H_kv, G, D, NT, scale, eps, **common)
+        approx_bwd_dk_kernel[(NT, B * H)](
+            q, k, v, d_o, den, r, ds1, ds2, dz, dk_h, T, H, H_kv, G, D, NT, scale, eps, **common)
         approx_bwd_dv_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
             q, k, d_o, den, ds1, ds2, dsv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
             BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],

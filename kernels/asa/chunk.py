@@ -246,19 +246,24 @@ def asa_bwd_chunk_kernel(
     kf = _softmax_features(_load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt),
                            _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
                            PREC).to(dt)
-    causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+    # the key side works with transposed tiles (row = key j, column = query i), so that no
+    # register tile needs transposing: mask i >= j either way
+    if SIDE == 0:
+        causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+    else:
+        causal = tl.arange(0, BT)[None, :] >= tl.arange(0, BT)[:, None]
+        A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
     st = pid_bh * NT + c
-    if SIDE == 1:
-        A = tl.where(causal, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0).to(dt)
     if NORM != 1:
         den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
     if NORM == 0:
         r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
-        dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
         if SIDE == 0:
+            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
             z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
             dfeat = r[:, None] * z[None, :]
         else:
+            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[None, :]  # transposed: dAᵀ
             dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
             dfeat = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
     else:
@@ -277,14 +282,15 @@ def asa_bwd_chunk_kernel(
         if NORM != 1:
             g = g / den[:, None]
         g = g.to(dt)
-        dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
         if SIDE == 0:
+            dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
             S = tl.load(states_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
             dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
         else:
+            dA += tl.dot(vc, tl.trans(g), input_precision=PREC)
             dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
             dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-            dv = tl.dot(tl.trans(A), g, input_precision=PREC)
+            dv = tl.dot(A_t, g, input_precision=PREC)
             dv += tl.dot(kf, dS, input_precision=PREC)
             tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
                      dv.to(dv_ptr.dtype.element_ty), mask=vmask)
@@ -293,7 +299,7 @@ def asa_bwd_chunk_kernel(
         dfeat += tl.dot(dA, kf, input_precision=PREC)
         x_base, x_stride, p_ptr = q_base, sqt, pq_ptr
     else:
-        dfeat += tl.dot(tl.trans(dA), qf, input_precision=PREC)
+        dfeat += tl.dot(dA, qf, input_precision=PREC)
         x_base, x_stride, p_ptr = k_base, skt, pk_ptr
     # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
     p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)

@@ -49,13 +49,18 @@ def _operand(x, like_ptr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
-    """``[BT, len(cols)]`` fp32 rows t0.. of a ``[T, ...]`` slice with row stride ``row_stride``
-    (zeros outside)."""
+def _tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
+    """``[BT, len(cols)]`` rows t0.. of a ``[T, ...]`` slice with row stride ``row_stride``, in the
+    stored dtype (zeros outside)."""
     rows = t0 + tl.arange(0, BT)
     mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0).to(
-        tl.float32)
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
+    """``_tile_raw`` in fp32."""
+    return _tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT).to(tl.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -268,7 +273,8 @@ def nonapprox_bwd_grad_kernel(
     T, H, HKV, G, D, NT, scale,
     BT: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """grid (NT, B*H_kv): dq of the group's G query heads, dk and dv summed over them."""
+    """grid (NT, B*H_kv): dq of the group's G query heads, dk and dv summed over them. Tiles stay
+    in the stored dtype (registers) and are widened to fp32 where they enter arithmetic."""
     c, pid_bk = tl.program_id(0), tl.program_id(1)
     b, hk = pid_bk // HKV, pid_bk % HKV
     t0 = c * BT
@@ -276,8 +282,8 @@ def nonapprox_bwd_grad_kernel(
     row_ok = rows < T
     d_cols = tl.arange(0, BD)
     kv_base = (b * T * HKV + hk) * D
-    k = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
-    v = _tile(v_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
+    k = _tile_raw(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
+    v = _tile_raw(v_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT)
     causal = tl.arange(0, BT)[None, :] <= tl.arange(0, BT)[:, None]  # [i, j]: j <= i
     valid = causal & row_ok[:, None]
     dk = tl.zeros([BT, BD], dtype=tl.float32)
@@ -286,8 +292,7 @@ def nonapprox_bwd_grad_kernel(
         h = hk * G + g
         bh = b * H + h
         q_base = (b * T * H + h) * D
-        q = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT)
-        do = _tile(do_ptr + q_base, t0, T, H * D, d_cols, D, BT)
+        do = _tile_raw(do_ptr + q_base, t0, T, H * D, d_cols, D, BT)
         s = tl.load(s_ptr + bh * T + rows, mask=row_ok, other=float("-inf"))
         lse = tl.load(lse_ptr + bh * T + rows, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_ptr + bh * T + rows, mask=row_ok, other=0.0)
@@ -300,14 +305,15 @@ def nonapprox_bwd_grad_kernel(
         later = tl.where(row_ok, tl.exp(s - r_end), 0.0)  # weight of the later chunks' sum
         dv_h = tl.dot(tl.trans(_operand(p, do_ptr, DOT_F32)), _operand(do, do_ptr, DOT_F32),
                       input_precision=PREC) + later[:, None] * a_do[None, :]
-        ds = tl.sum(v * dv_h, axis=1) - tl.sum(p * delta[:, None], axis=0) - later * a_delta
-        ds = ds * scale
+        ds = tl.sum(v.to(tl.float32) * dv_h, axis=1) - tl.sum(p * delta[:, None], axis=0)
+        ds = (ds - later * a_delta) * scale
+        dv += dv_h
+        q = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT)
         sig = tl.sigmoid(q)
-        dq = ds[:, None] * k * (sig * (1.0 + q * (1.0 - sig)))
+        dk += ds[:, None] * (q * sig)
+        dq = ds[:, None] * k.to(tl.float32) * (sig * (1.0 + q * (1.0 - sig)))
         tl.store(dq_ptr + q_base + rows[:, None] * (H * D) + d_cols[None, :],
                  dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (d_cols[None, :] < D))
-        dk += ds[:, None] * (q * sig)
-        dv += dv_h
     out_mask = row_ok[:, None] & (d_cols[None, :] < D)
     offs = kv_base + rows[:, None] * (HKV * D) + d_cols[None, :]
     tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=out_mask)

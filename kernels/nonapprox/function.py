@@ -35,8 +35,8 @@ def _launch(D: int, NT: int, dtype: torch.dtype) -> dict:
         BT=CHUNK, BD=BD,
         BV_sum=min(64, BD),  # summary: the weighted sum of v, a V-block at a time
         BV_out=min(128, BD),
-        BV_scan=min(64, BD),
-        NB=min(64, max(16, triton.next_power_of_2(NT))),  # chunks per step of the scans
+        BV_scan=min(32, BD),
+        NB=min(32, max(16, triton.next_power_of_2(NT))),  # chunks per step of the scans
         PREC="ieee" if dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
         DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
         warps=4 if BD <= 64 else 8,

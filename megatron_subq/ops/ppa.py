@@ -169,7 +169,10 @@ def _compute_dtype(q: torch.Tensor) -> torch.dtype:
 # the O(T^2) definition
 # ---------------------------------------------------------------------------------------------
 def ppa_attention_masked(q, k, v, power, window: int, scale: Optional[float] = None):
-    """PPA as a masked [T, T] softmax (fp32 or fp64 inside). q: [B, T, H, D]; k, v: [B, T, H_kv, D]."""
+    """PPA as a masked [T, T] softmax (fp32 or fp64 inside).
+
+    q: [B, T, H, D]; k, v: [B, T, H_kv, D] -> [B, T, H, D] in q's dtype.
+    """
     B, T, H, H_kv, D = check_qkv("ppa_attention", q, k, v)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mask = ppa_mask(T, power, window, device=q.device)
