@@ -278,8 +278,6 @@ def test_bad_arguments_name_the_argument():
     for op in (ops.approx_attention, ops.nonapprox_attention):
         with pytest.raises(ValueError, match="impl"):
             op(q, k, v, impl="fast")
-        with pytest.raises(ValueError, match="kernel"):
-            op(q, k, v, impl="kernel")  # no Triton kernel yet (issue 6)
         with pytest.raises(ValueError, match="chunk_size"):
             op(q, k, v, chunk_size=0)
         with pytest.raises(ValueError, match="k"):

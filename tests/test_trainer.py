@@ -206,6 +206,14 @@ def _single_process_checks(tiny, flags, a_save, heldout, crash_dir, variant_runs
     out["tracker_after_resume"] = read_tracker(crash_dir)
     out["dirs_after_resume"] = sorted(os.listdir(crash_dir))
 
+    # bf16 (Float16Module + fp32 main params) with activation recomputation, full and selective
+    out["bf16_recompute"] = {
+        mode: pretrain(tiny + flags + ["--bf16", "--seq-length", "32", "--global-batch-size", "2",
+                                       "--train-iters", "4", "--eval-iters", "0",
+                                       "--eval-interval", "100"] + extra)["iterations"]
+        for mode, extra in (("full", ["--recompute-granularity", "full"]),
+                            ("selective", ["--recompute-activations"]))}
+
     # every registered variant: 5 iterations through the trainer
     out["variants"] = {}
     for name, extra in variant_runs:
@@ -263,6 +271,12 @@ def test_crash_inside_save_keeps_previous_checkpoint(single):
     assert single["tracker_after_resume"] == 4
     assert "iter_0000004" in single["dirs_after_resume"]
     assert "iter_0000004.partial" not in single["dirs_after_resume"]
+
+
+def test_bf16_with_activation_recomputation(single):
+    for mode, losses in single["bf16_recompute"].items():
+        assert sorted(losses) == [1, 2, 3, 4], mode
+        assert all(math.isfinite(v) for v in losses.values()), (mode, losses)
 
 
 def test_every_registered_variant_trains_5_iterations(single):

@@ -111,13 +111,22 @@ def bench_asa(args, T: int, dtype) -> List[Row]:
     elt = torch.finfo(dtype).bits // 8
     # each input read once, the output written once (the floor a fused forward can reach)
     fwd_bytes = elt * B * T * D * (2 * H + 2 * H_kv)
-    rows = []
-    for normalize in args.asa_normalize.split(","):
-        def run(normalize=normalize):
-            return asa_attention(q, k, v, p_q, p_k, normalize=normalize, impl="kernel")
+    from megatron_subq.kernels.asa.function import LAUNCH_ENV
 
-        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v, p_q, p_k))
-        rows.append((f"asa_kernel[{normalize}]", fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes}))
+    rows = []
+    for launch in args.asa_launch or [""]:
+        for normalize in args.asa_normalize.split(","):
+            def run(normalize=normalize, launch=launch):
+                # launch-config overrides (sweeps) travel through the kernel's environment knob
+                if launch:
+                    os.environ[LAUNCH_ENV] = launch
+                else:
+                    os.environ.pop(LAUNCH_ENV, None)
+                return asa_attention(q, k, v, p_q, p_k, normalize=normalize, impl="kernel")
+
+            fwd, fwd_bwd = _fwd_bwd(run, (q, k, v, p_q, p_k))
+            name = f"asa_kernel[{normalize}]" + (launch.replace(" ", "") if launch else "")
+            rows.append((name, fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes}))
     return rows
 
 
@@ -286,6 +295,8 @@ def main(argv=None) -> int:
                    help="comma list: offsets at most this far apart join PPA's dense tiles")
     p.add_argument("--ppa-flex-max-len", type=int, default=16384,
                    help="flex-attention rows for PPA up to this length (0: none)")
+    p.add_argument("--asa-launch", action="append", default=[],
+                   help="JSON launch-config override of the ASA kernel (repeat to sweep)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
@@ -342,12 +353,12 @@ def main(argv=None) -> int:
             if base and base.get(key) and r.get(key):
                 r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
     print(f"\n{meta['gpu']}  {meta['date']}  {meta['command']}")
-    print(f"{'T':>7} {'impl':<32} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>12} "
+    print(f"{'T':>7} {'impl':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>12} "
           f"{'x cuDNN f+b':>12} {'fwd GB/s':>9}")
     for r in results:
         def fmt(x, spec):
             return format(x, spec) if isinstance(x, (int, float)) and not math.isnan(x) else "-"
-        print(f"{r['T']:>7} {r['impl']:<32} {fmt(r.get('fwd_ms'), '9.3f')} "
+        print(f"{r['T']:>7} {r['impl']:<44} {fmt(r.get('fwd_ms'), '9.3f')} "
               f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
               f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
               f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")

@@ -116,7 +116,7 @@ class ApproxChunkFunction(torch.autograd.Function):
         approx_bwd_states_kernel[grid](
             q, d_o, den, r, ds1, ds2, dz, dsv, T, H, H_kv, G, D, NT, length0, scale, eps,
             BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=4)
+            DOT_F32=cfg["DOT_F32"], num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
         # dk, dv per query head, summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty_like(q)

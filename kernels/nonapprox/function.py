@@ -24,15 +24,19 @@ from .chunk import (
     nonapprox_fwd_summary_kernel,
 )
 
-CHUNK = 64  # tokens per chunk: the [BT, BT] weight block times [BT, D] values is one MMA tile
+# tokens per chunk: the [BT, BT] weight block times [BT, D] values is one MMA tile. 32 above
+# D = 64 keeps the backward's [BT, D] tiles in registers (at 64 ptxas spills ~600 B per thread)
+CHUNK_SMALL_D, CHUNK_LARGE_D = 64, 32
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _launch(D: int, NT: int, dtype: torch.dtype) -> dict:
+def _launch(D: int, T: int, dtype: torch.dtype) -> dict:
     """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
     BD = max(16, triton.next_power_of_2(D))
+    BT = CHUNK_SMALL_D if BD <= 64 else CHUNK_LARGE_D
+    NT = triton.cdiv(T, BT)
     return dict(
-        BT=CHUNK, BD=BD,
+        BT=BT, BD=BD, NT=NT,
         BV_sum=min(64, BD),  # summary: the weighted sum of v, a V-block at a time
         BV_out=min(128, BD),
         BV_scan=min(32, BD),
@@ -50,8 +54,8 @@ class NonapproxChunkFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        NT = triton.cdiv(T, CHUNK)
-        cfg = _launch(D, NT, q.dtype)
+        cfg = _launch(D, T, q.dtype)
+        NT = cfg["NT"]
         scale = 1.0 / math.sqrt(D)
         f32 = dict(dtype=torch.float32, device=q.device)
         s = torch.empty(B, H, T, **f32)
@@ -91,7 +95,7 @@ class NonapproxChunkFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        NT = triton.cdiv(T, CHUNK)
+        NT = cfg["NT"]
         d_o = d_o.contiguous()
         f32 = dict(dtype=torch.float32, device=q.device)
         delta = torch.empty(B, H, T, **f32)

@@ -36,7 +36,7 @@ import torch
 import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
-from megatron_subq.ops.superlinear import superlinear_plan
+from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
 from .kernels import (search_topk_kernel, span_bwd_kernel, span_fwd_kernel, window_bwd_kernel,
                       window_fwd_kernel)
@@ -63,34 +63,83 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk: int,
-                cfg: LaunchConfig):
-    """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf)."""
+                cfg: LaunchConfig, start: int = 0):
+    """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf) of the
+    T queries of q_s at positions [start, start + T) (k holds at least the keys up to there)."""
     B, T, H, D = q_s.shape
     H_kv = k.shape[2]
     sel_t = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_s.device)
     sel_s = torch.empty(B, H, T, topk, dtype=torch.float32, device=q_s.device)
     grid = (triton.cdiv(T, cfg.block_m), B * H)
     search_topk_kernel[grid](
-        q_s, k, offsets, sel_t, sel_s, T, offsets.numel(), H, H // H_kv, D,
+        q_s, k, offsets, sel_t, sel_s, T, start, offsets.numel(), H, H // H_kv, D,
         q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_D=max(16, triton.next_power_of_2(D)), TOPK=topk,
         TOPK_PAD=max(2, triton.next_power_of_2(topk)), num_warps=cfg.num_warps)
     return sel_t, sel_s
 
 
-def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, window: int):
+def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, window: int,
+                start: int = 0):
     """[lo, hi] of every pair's span keys outside the window ([B, H, T, k] int32; a slot without
-    anchor gets lo = T, hi = -1: empty)."""
+    anchor gets lo = T, hi = -1: empty). Queries sit at positions [start, start + T); back and
+    fwd are indexed by query row."""
     T = sel_t.shape[2]
-    pos = torch.arange(T, device=sel_t.device)[:, None]
+    pos = torch.arange(start, start + T, device=sel_t.device)[:, None]
     t = sel_t.long()
     win_lo = (pos - window + 1).clamp(min=0) if window > 0 else pos + 1
     lo = (t - back[:, None]).clamp(min=0)
     hi = torch.minimum(torch.minimum(t + fwd[:, None], pos), win_lo - 1)
     valid = t >= 0
-    lo = torch.where(valid, lo, T)
+    lo = torch.where(valid, lo, start + T)
     hi = torch.where(valid, hi, -1)
     return lo.to(torch.int32), hi.to(torch.int32)
+
+
+def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0):
+    """Per (query, slot) pair: softmax attention over the pair's span keys (outside the window)
+    merged with the window by log-sum-exp. q: [B, T, H, D] at positions [start, start + T); k, v:
+    [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
+    [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
+    lse_w [B*H, T])."""
+    B, T, H, D = q.shape
+    TK, H_kv = k.shape[1], k.shape[2]
+    topk = lo.shape[-1]
+    P = T * topk
+    scale = 1.0 / math.sqrt(D)
+    block_d = max(16, triton.next_power_of_2(D))
+    prec = _precision(q.dtype)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    dev = q.device
+
+    o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
+    lse_w = torch.full((B * H, T), float("-inf"), dtype=torch.float32, device=dev)
+    if window > 0:
+        window_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+            q, k, v, o_w, lse_w, T, start, TK, H, H // H_kv, D, window, scale, *strides,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+            num_warps=cfg.num_warps)
+
+    lo_f, hi_f = lo.reshape(B * H, P).contiguous(), hi.reshape(B * H, P).contiguous()
+    order = torch.sort(lo_f, dim=1, stable=True).indices.to(torch.int32).contiguous()
+    o_s = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
+    lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
+    # the span kernel's key bound is TK (its pairs index query rows, lo/hi are key positions)
+    span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
+        q, k, v, order, lo_f, hi_f, o_s, lse_s, TK, P, H, H // H_kv, D, scale, *strides,
+        TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        PRECISION=prec, num_warps=cfg.num_warps)
+
+    # merge span and window by log-sum-exp (a pair with neither gets A = 0)
+    o_s = o_s.view(B * H, T, topk, D)
+    lse_s = lse_s.view(B * H, T, topk)
+    lse = torch.logaddexp(lse_s, lse_w[..., None])
+    finite = torch.isfinite(lse)
+    lse_safe = torch.where(finite, lse, 0.0)
+    w_s = torch.where(finite, torch.exp(lse_s - lse_safe), 0.0)
+    w_w = torch.where(finite, torch.exp(lse_w[..., None] - lse_safe), 0.0)
+    a = w_s[..., None] * o_s + w_w[..., None] * o_w[:, :, None, :]  # [B*H, T, k, D]
+    return a, order, lo_f, hi_f, lse, lse_w
 
 
 class SuperlinearSpanFunction(torch.autograd.Function):
@@ -100,42 +149,8 @@ class SuperlinearSpanFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig):
         B, T, H, D = q.shape
-        H_kv = k.shape[2]
         topk = lo.shape[-1]
-        P = T * topk
-        scale = 1.0 / math.sqrt(D)
-        block_d = max(16, triton.next_power_of_2(D))
-        prec = _precision(q.dtype)
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-        dev = q.device
-
-        o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
-        lse_w = torch.full((B * H, T), float("-inf"), dtype=torch.float32, device=dev)
-        if window > 0:
-            window_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-                q, k, v, o_w, lse_w, T, H, H // H_kv, D, window, scale, *strides,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
-                num_warps=cfg.num_warps)
-
-        lo_f, hi_f = lo.reshape(B * H, P).contiguous(), hi.reshape(B * H, P).contiguous()
-        order = torch.sort(lo_f, dim=1, stable=True).indices.to(torch.int32).contiguous()
-        o_s = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
-        lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
-        span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-            q, k, v, order, lo_f, hi_f, o_s, lse_s, T, P, H, H // H_kv, D, scale, *strides,
-            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            PRECISION=prec, num_warps=cfg.num_warps)
-
-        # merge span and window by log-sum-exp (a pair with neither gets A = 0)
-        o_s = o_s.view(B * H, T, topk, D)
-        lse_s = lse_s.view(B * H, T, topk)
-        lse = torch.logaddexp(lse_s, lse_w[..., None])
-        finite = torch.isfinite(lse)
-        lse_safe = torch.where(finite, lse, 0.0)
-        w_s = torch.where(finite, torch.exp(lse_s - lse_safe), 0.0)
-        w_w = torch.where(finite, torch.exp(lse_w[..., None] - lse_safe), 0.0)
-        a = w_s[..., None] * o_s + w_w[..., None] * o_w[:, :, None, :]  # [B*H, T, k, D]
-
+        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(q, k, v, lo, hi, window, cfg)
         ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
         ctx.window, ctx.cfg = window, cfg
         return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
@@ -206,12 +221,24 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
 
     with torch.no_grad():
         sel_t, _ = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
-    valid = (sel_t >= 0).transpose(1, 2)  # [B, T, H, k]
+    gate = _gate(q_s, k, sel_t)
+    lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
+    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg)  # [B, T, H, k, D]
+    out = torch.einsum("bthk,bthkd->bthd", gate, a)
+    return out.to(out_dtype)
 
-    # the gate, differentiable in q_s and k: the kept scores recomputed from gathered keys
+
+def _gate(q_s, k, sel_t):
+    """The gate [B, T, H, k] (float32), differentiable in q_s and k: the kept scores recomputed
+    from gathered keys, softmax over the kept slots; a query without any anchor gets the one-hot
+    gate of slot 0, whose span is empty (pure window attention)."""
+    B, T, H, D = q_s.shape
+    topk = sel_t.shape[-1]
+    group = H // k.shape[2]
+    valid = (sel_t >= 0).transpose(1, 2)  # [B, T, H, k]
     t_idx = sel_t.transpose(1, 2).clamp(min=0).long()  # [B, T, H, k]
-    kv_head = (torch.arange(H, device=q.device) // group)[None, None, :, None]
-    rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, T*H_kv, D]
+    kv_head = (torch.arange(H, device=q_s.device) // group)[None, None, :, None]
+    rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
     k_sel = k.reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
     scores = torch.einsum("bthd,bthkd->bthk", q_s.float(),
                           k_sel.reshape(B, T, H, topk, D).float())
@@ -219,9 +246,52 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     no_anchor = ~valid.any(-1, keepdim=True)
     slot0 = torch.zeros_like(gate)
     slot0[..., 0] = 1.0
-    gate = torch.where(no_anchor, slot0, gate)
+    return torch.where(no_anchor, slot0, gate)
 
-    lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
-    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg)  # [B, T, H, k, D]
-    out = torch.einsum("bthk,bthkd->bthd", gate, a)
-    return out.to(out_dtype)
+
+@torch.no_grad()
+def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_power=0.5,
+                               span_power=0.5, topk=2, backward_factor=2.0, forward_factor=0.0,
+                               sw_index=0, block_m: Optional[int] = None,
+                               block_n: Optional[int] = None):
+    """``ops.superlinear_prefill`` on the kernels (arguments checked by the op; forward only).
+
+    q, q_s: [B, C, H, D] at positions [start, start + C); k_cache, v_cache: [B, L, H_kv, D] with
+    the keys [0, start + C). The training kernels with a query offset: the search reads anchors
+    start + row - d, the window and span kernels read keys [0, start + C) only.
+    """
+    out_dtype = q.dtype
+    C = q.shape[1]
+    stop = start + C
+    k, v = k_cache[:, :stop], v_cache[:, :stop]
+    if out_dtype == torch.bfloat16 and triton_interpreting():  # see superlinear_attention_kernel
+        q, q_s, k, v = (x.float() for x in (q, q_s, k, v))
+    q, q_s = q.contiguous(), q_s.contiguous()
+    if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels share k's strides for v
+        k, v = k.contiguous(), v.contiguous()
+    cfg = launch_config(q.shape[-1], block_m, block_n)
+    plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
+                        sw_index, q.device)
+    sel_t, _ = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
+    gate = _gate(q_s, k, sel_t)
+    lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
+    a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start)[0]
+    B, H, D = q.shape[0], q.shape[2], q.shape[3]
+    a = a.view(B, H, C, topk, D)
+    return torch.einsum("bthk,bhtkd->bthd", gate, a).to(out_dtype)
+
+
+@dataclass(frozen=True)
+class _DevicePlan:
+    plan: SuperlinearPlan
+    offsets_i32: torch.Tensor  # the search kernel's offset table (never empty)
+
+
+def _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
+                 sw_index, device) -> _DevicePlan:
+    plan = superlinear_plan_range(start, stop, search_power, span_power, backward_factor,
+                                  forward_factor, sw_index, device=device)
+    offsets = plan.offsets.to(torch.int32)
+    if offsets.numel() == 0:  # no query has an anchor (the window covers every prefix)
+        offsets = torch.full((1,), stop, dtype=torch.int32, device=device)
+    return _DevicePlan(plan, offsets)

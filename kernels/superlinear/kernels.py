@@ -27,10 +27,11 @@ import triton.language as tl
 
 
 @triton.jit
-def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, A, H, GROUP, D,
+def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, Q0, A, H, GROUP, D,
                        s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TOPK: tl.constexpr,
                        TOPK_PAD: tl.constexpr):
+    """T query rows at positions Q0 + row (Q0 > 0: a prefill chunk against cached keys)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -49,11 +50,11 @@ def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, A, H, GROUP, D,
     shift = slot[None, :] == (slot[:, None] - 1)
     best_s = tl.full([BLOCK_M, TOPK_PAD], float("-inf"), tl.float32)
     best_t = tl.full([BLOCK_M, TOPK_PAD], -1, tl.int32)
-    last_query = tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
+    last_query = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
     for a in range(0, A):
         d = tl.load(OFF + a)
         if d <= last_query:  # offsets grow: later ones only reach later queries
-            t = offs_m - d
+            t = Q0 + offs_m - d
             ok = m_mask & (t >= 0)
             k = tl.load(K + b * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
                         mask=ok[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
@@ -77,10 +78,11 @@ def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, A, H, GROUP, D,
 
 
 @triton.jit
-def window_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP, D, W, scale,
+def window_fwd_kernel(Q, K, V, O, LSE, T, Q0, TK, H, GROUP, D, W, scale,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       PRECISION: tl.constexpr):
+    """T query rows at positions Q0 + row over TK keys (Q0 = 0, TK = T: the full op)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -96,19 +98,20 @@ def window_fwd_kernel(Q, K, V, O, LSE, T, H, GROUP, D, W, scale,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    q_lo = pid_m * BLOCK_M
+    pos = Q0 + offs_m
+    q_lo = Q0 + pid_m * BLOCK_M
     lo = tl.maximum(q_lo - W + 1, 0)  # W >= 1 (the host skips an empty window)
-    hi = tl.minimum(q_lo + BLOCK_M, T)
+    hi = tl.minimum(q_lo + BLOCK_M, Q0 + T)
     for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
         cols = n0 + offs_n
-        kv_mask = (cols < T)[:, None] & d_mask[None, :]
+        kv_mask = (cols < TK)[:, None] & d_mask[None, :]
         k = tl.load(K + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         v = tl.load(V + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        inside = (cols[None, :] <= offs_m[:, None]) & (cols[None, :] > offs_m[:, None] - W)
-        s = tl.where(inside & (cols < T)[None, :], s, float("-inf"))
+        inside = (cols[None, :] <= pos[:, None]) & (cols[None, :] > pos[:, None] - W)
+        s = tl.where(inside & (cols < TK)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])

@@ -259,7 +259,7 @@ def approx_attention_chunked(q, k, v, eps: float = DEFAULT_EPS, chunk_size: int 
 # The op
 # ---------------------------------------------------------------------------------------------
 def _kernel():
-    """The Triton implementation, or None while there is none (or triton is missing). Expected
+    """The Triton implementation (issue 6), or None when it (or triton) is missing. Its
     signature: ``kernel(q, k, v, eps, state=None, output_final_state=False)``."""
     try:
         from megatron_subq.kernels.approx import approx_attention_kernel  # noqa: PLC0415
@@ -274,7 +274,7 @@ def approx_attention(q, k, v, impl: Optional[str] = None, eps: float = DEFAULT_E
     raw key/value projections (the op applies the d_h^{-1/4} pre-scaling). Returns [B, T, H, D] in
     q.dtype.
 
-    ``impl``: "reference" (the chunked PyTorch form, fp32), "kernel" (Triton, once it exists),
+    ``impl``: "reference" (the chunked PyTorch form, fp32), "kernel" (Triton, ``kernels/approx``),
     None (the kernel on CUDA when available, else the reference).
     """
     check_qkv("approx_attention", q, k, v)

@@ -181,7 +181,7 @@ def nonapprox_attention_chunked(q, k, v, chunk_size: int = DEFAULT_CHUNK,
 # The op
 # ---------------------------------------------------------------------------------------------
 def _kernel():
-    """The Triton implementation, or None while there is none (or triton is missing). Expected
+    """The Triton implementation (issue 6), or None when it (or triton) is missing. Its
     signature: ``kernel(q, k, v, state=None, output_final_state=False)``."""
     try:
         from megatron_subq.kernels.nonapprox import nonapprox_attention_kernel  # noqa: PLC0415
@@ -195,8 +195,8 @@ def nonapprox_attention(q, k, v, impl: Optional[str] = None,
     """The nonapprox variant's attention. q: [B, T, H, D] raw query projection (the op applies
     SiLU); k, v: [B, T, H_kv, D]. Returns [B, T, H, D] in q.dtype.
 
-    ``impl``: "reference" (the chunked PyTorch form, fp32), "kernel" (Triton, once it exists),
-    None (the kernel on CUDA when available, else the reference).
+    ``impl``: "reference" (the chunked PyTorch form, fp32), "kernel" (Triton,
+    ``kernels/nonapprox``), None (the kernel on CUDA when available, else the reference).
     """
     check_qkv("nonapprox_attention", q, k, v)
     kernel = _kernel()

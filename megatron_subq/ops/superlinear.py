@@ -136,6 +136,7 @@ class SuperlinearPlan:
     back: torch.Tensor  # [T] int64: ceil(b * l(i))
     fwd: torch.Tensor  # [T] int64: ceil(f * l(i))
     window: int  # w
+    first: int = 0  # back[j], fwd[j] belong to position first + j (chunked prefill, decode)
 
 
 def superlinear_plan(T: int, search_power: float = 0.5, span_power: float = 0.5,
@@ -154,6 +155,50 @@ def superlinear_plan(T: int, search_power: float = 0.5, span_power: float = 0.5,
         back=ceil_factor(backward_factor).to(device),
         fwd=ceil_factor(forward_factor).to(device),
         window=superlinear_window(search_power, sw_index),
+    )
+
+
+def _span_scale_range(first: int, stop: int, span_power) -> torch.Tensor:
+    """l(i) = ceil(i^p_sp) for first <= i < stop ([stop - first] int64), from the step thresholds
+    c_r = floor(r^(1/q)) with l(first) <= r <= l(stop - 1) only: O(stop^q - first^q + 1) exact
+    roots, so a decode step (one position) costs one or two roots, not O(stop)."""
+    q = as_fraction(span_power)
+    if q == 0:
+        return torch.ones(stop - first, dtype=torch.int64)
+    r0 = ceil_power(first, q)  # l(first)
+    steps, r = [], r0
+    while not steps or steps[-1] < stop - 1:
+        steps.append(min(floor_power(r, 1 / q), stop))  # l(i) = min{r : c_r >= i}
+        r += 1
+    return r0 + torch.searchsorted(torch.tensor(steps), torch.arange(first, stop), side="left")
+
+
+def capacity_bucket(length: int) -> int:
+    """The next power of two >= length: decode steps share one (cached) offset table per bucket;
+    offsets beyond a query's position are masked like any missing candidate."""
+    return 1 << max(0, length - 1).bit_length()
+
+
+def superlinear_plan_range(first: int, stop: int, search_power: float = 0.5,
+                           span_power: float = 0.5, backward_factor: float = 2.0,
+                           forward_factor: float = 0.0, sw_index: int = 0,
+                           device=None) -> SuperlinearPlan:
+    """The plan of query positions [first, stop) only (chunked prefill, decode): span extents for
+    those positions (``plan.first = first``) and the offset table of the capacity bucket of
+    ``stop`` keys (offsets d > i just give no candidate to query i)."""
+    scale = _span_scale_range(first, stop, span_power)
+
+    def ceil_factor(factor):
+        f = as_fraction(factor)
+        return (scale * f.numerator + f.denominator - 1) // f.denominator
+
+    offsets = anchor_offsets(capacity_bucket(stop), search_power, sw_index)
+    return SuperlinearPlan(
+        offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
+        back=ceil_factor(backward_factor).to(device),
+        fwd=ceil_factor(forward_factor).to(device),
+        window=superlinear_window(search_power, sw_index),
+        first=first,
     )
 
 
@@ -224,8 +269,9 @@ def superlinear_topk_reference(q_s, k, search_power=0.5, sw_index=0, topk=2):
 
 
 def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scale: float):
-    """Output of queries [i0, i0 + C) in the compute dtype. q, q_s: [B, C, H, D] (this chunk);
-    k, v: [B, T, H_kv, D] (the whole sequence, compute dtype). Returns [B, C, H, D]."""
+    """Output of queries [i0, i0 + C) in the compute dtype (q's). q, q_s: [B, C, H, D] (this
+    chunk); k, v: [B, T, H_kv, D] (at least the keys [0, i0 + C); any dtype: only the gathered
+    rows are cast, so a decode step touches O(sqrt(T)) of a long cache). Returns [B, C, H, D]."""
     B, C, H, D = q.shape
     T, H_kv = k.shape[1], k.shape[2]
     group = H // H_kv
@@ -236,7 +282,7 @@ def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scal
     # -- span search: scores at the candidate anchors (a fixed stride pattern i - d) ------------
     anchor = pos[:, None] - plan.offsets[None, :]  # [C, A]
     anchor_valid = anchor >= 0
-    k_anchor = k[:, anchor.clamp(min=0)]  # [B, C, A, H_kv, D]
+    k_anchor = k[:, anchor.clamp(min=0)].to(q.dtype)  # [B, C, A, H_kv, D]
     q_s_grouped = q_s.reshape(B, C, H_kv, group, D)  # query head h = kv_head * group + g
     scores = torch.einsum("bckgd,bcakd->bckga", q_s_grouped, k_anchor).reshape(B, C, H, -1)
     cols, top_scores, kept = _select_anchors(scores, anchor_valid[None, :, None, :].expand_as(
@@ -246,7 +292,7 @@ def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scal
     gate = torch.softmax(top_scores, dim=-1) * kept
 
     # -- per-query intervals ----------------------------------------------------------------------
-    back, fwd = plan.back[pos], plan.fwd[pos]  # [C]
+    back, fwd = plan.back[pos - plan.first], plan.fwd[pos - plan.first]  # [C]
     w = plan.window
     win_lo = (pos - w + 1).clamp(min=0) if w > 0 else pos + 1  # W = [win_lo, i] (empty if w = 0)
     t = pos[None, :, None, None] - plan.offsets[cols]  # [B, C, H, k] kept anchors
@@ -256,16 +302,17 @@ def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scal
     span_hi = torch.minimum(span_hi, win_lo[None, :, None, None] - 1)
 
     # -- span keys, gathered per (query, head, slot) ---------------------------------------------
-    span_len = int((plan.back[pos] + plan.fwd[pos]).max().item()) + 1
+    span_len = int((back + fwd).max().item()) + 1
     idx = span_lo[..., None] + torch.arange(span_len, device=dev)  # [B, C, H, k, J]
     span_valid = (idx <= span_hi[..., None]) & kept[..., None]
-    idx = idx.clamp(max=T - 1)
+    # masked slots read a key <= i, never past the query (a cache may hold garbage there)
+    idx = torch.minimum(idx, pos[None, :, None, None, None])
     kv_head = torch.arange(H, device=dev) // group  # [H]
     flat = (idx * H_kv + kv_head[None, None, :, None, None]).reshape(B, -1)  # rows of [T*H_kv, D]
     k_span = k.reshape(B, T * H_kv, D).gather(1, flat[..., None].expand(-1, -1, D))
     v_span = v.reshape(B, T * H_kv, D).gather(1, flat[..., None].expand(-1, -1, D))
-    k_span = k_span.reshape(*idx.shape, D)
-    v_span = v_span.reshape(*idx.shape, D)
+    k_span = k_span.reshape(*idx.shape, D).to(q.dtype)
+    v_span = v_span.reshape(*idx.shape, D).to(q.dtype)
     span_logits = torch.einsum("bchd,bchkjd->bchkj", q, k_span) * scale
     span_logits = span_logits.masked_fill(~span_valid, neg)
 
@@ -273,8 +320,8 @@ def _chunk_forward(q, q_s, k, v, i0: int, plan: SuperlinearPlan, topk: int, scal
     slab_lo = max(0, i0 - w + 1) if w > 0 else i0
     slab = torch.arange(slab_lo, i0 + C, device=dev)  # [S]
     win_valid = (slab[None, :] >= win_lo[:, None]) & (slab[None, :] <= pos[:, None])  # [C, S]
-    k_win = repeat_kv(k[:, slab_lo:i0 + C], H)  # [B, S, H, D]
-    v_win = repeat_kv(v[:, slab_lo:i0 + C], H)
+    k_win = repeat_kv(k[:, slab_lo:i0 + C].to(q.dtype), H)  # [B, S, H, D]
+    v_win = repeat_kv(v[:, slab_lo:i0 + C].to(q.dtype), H)
     win_logits = torch.einsum("bchd,bshd->bchs", q, k_win) * scale
     win_logits = win_logits.masked_fill(~win_valid[None, :, None, :], neg)  # [B, C, H, S]
 
@@ -400,3 +447,147 @@ def superlinear_attention(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2
     if choose_impl(op, impl, (q, q_s, k, v), kernel) == "kernel":
         return kernel(q, q_s, k, v, **knobs)
     return superlinear_attention_reference(q, q_s, k, v, **knobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# inference: chunked prefill against a cached prefix, and one decode step
+# ---------------------------------------------------------------------------------------------
+# The KV cache is the state: K is also the search key (K_a = K), so nothing else is cached. Query
+# i reads keys <= i only, so a chunk of queries [start, start + C) needs the keys [0, start + C)
+# and gives exactly rows [start, start + C) of the full forward.
+def _check_cache(op, q, q_s, k_cache, v_cache, rows_name):
+    """q, q_s: [B, C, H, D]; caches [B, L, H_kv, D]. Returns (B, C, H, H_kv, D, L)."""
+    for name, t in (("q", q), ("q_s", q_s), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"{op}: q must have shape {rows_name}, got {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {name} must have shape [B, L, H_kv, D], got "
+                             f"{tuple(t.shape)}")
+    B, C, H, D = q.shape
+    if q_s.shape != q.shape:
+        raise ValueError(f"{op}: q_s must have the shape of q {tuple(q.shape)} (one search query "
+                         f"per query head), got {tuple(q_s.shape)}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache and v_cache must have one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    Bk, L, H_kv, Dk = k_cache.shape
+    if Bk != B:
+        raise ValueError(f"{op}: k_cache has batch {Bk} but q has batch {B}")
+    if Dk != D:
+        raise ValueError(f"{op}: k_cache has head dim {Dk} but q has {D}")
+    if H % H_kv != 0:
+        raise ValueError(f"{op}: the query head count ({H}) must be a multiple of the cache's "
+                         f"key/value head count ({H_kv}) for GQA")
+    if len({t.device for t in (q, q_s, k_cache, v_cache)}) != 1:
+        raise ValueError(f"{op}: q, q_s, k_cache, v_cache must be on one device")
+    if len({t.dtype for t in (q, q_s, k_cache, v_cache)}) != 1:
+        raise ValueError(f"{op}: q, q_s, k_cache, v_cache must share a dtype, got {q.dtype}, "
+                         f"{q_s.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if C < 1:
+        raise ValueError(f"{op}: q must hold at least one query, got {tuple(q.shape)}")
+    return B, C, H, H_kv, D, L
+
+
+def _check_int(op, name, value, lo, hi):
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise ValueError(f"{op}: {name}={value!r} is invalid: allowed an integer in [{lo}, {hi}]")
+
+
+def _reference_rows(q, q_s, k_cache, v_cache, start, knobs, query_chunk):
+    """Rows [start, start + C) of the reference forward, the keys read from the caches."""
+    C, D = q.shape[1], q.shape[3]
+    plan = superlinear_plan_range(start, start + C, **knobs_without_topk(knobs), device=q.device)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qc, qsc = q.to(dtype), q_s.to(dtype)
+    k, v = k_cache[:, :start + C], v_cache[:, :start + C]  # views; only gathered rows are cast
+    scale = 1.0 / math.sqrt(D)
+    outs = [_chunk_forward(qc[:, r0:r0 + query_chunk], qsc[:, r0:r0 + query_chunk], k, v,
+                           start + r0, plan, knobs["topk"], scale)
+            for r0 in range(0, C, query_chunk)]
+    return torch.cat(outs, dim=1).to(q.dtype)
+
+
+def knobs_without_topk(knobs: dict) -> dict:
+    return {n: x for n, x in knobs.items() if n != "topk"}
+
+
+def _prefill_kernel():
+    try:
+        from ..kernels.superlinear import superlinear_prefill_kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return superlinear_prefill_kernel
+
+
+def _decode_kernel():
+    try:
+        from ..kernels.superlinear import superlinear_decode_kernel  # noqa: PLC0415
+    except ImportError:
+        return None
+    return superlinear_decode_kernel
+
+
+@torch.no_grad()
+def superlinear_prefill(q, q_s, k_cache, v_cache, start: Optional[int] = None,
+                        search_power=0.5, span_power=0.5, topk=2, backward_factor=2.0,
+                        forward_factor=0.0, sw_index=0, impl=None):
+    """One prefill chunk against the cached prefix (forward only, no autograd).
+
+    q, q_s: [B, C, H, D], the queries of positions [start, start + C); k_cache, v_cache:
+    [B, L, H_kv, D] with L >= start + C, holding the keys/values of positions [0, start + C)
+    (this chunk's included; entries past start + C are never read). ``start`` defaults to
+    L - C. Returns [B, C, H, D] in q's dtype: rows [start, start + C) of ``superlinear_attention``
+    over the first start + C tokens.
+    """
+    op = "superlinear_prefill"
+    B, C, H, H_kv, D, L = _check_cache(op, q, q_s, k_cache, v_cache, "[B, C, H, D]")
+    if C > L:
+        raise ValueError(f"{op}: k_cache holds {L} positions, fewer than the chunk's {C} queries "
+                         "(the cache must include this chunk's keys)")
+    start = L - C if start is None else start
+    _check_int(op, "start", start, 0, L - C)
+    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
+    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
+                 backward_factor=backward_factor, forward_factor=forward_factor,
+                 sw_index=sw_index)
+    kernel = _prefill_kernel()
+    if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
+        return kernel(q, q_s, k_cache, v_cache, start, **knobs)
+    return _reference_rows(q, q_s, k_cache, v_cache, start, knobs, DEFAULT_QUERY_CHUNK)
+
+
+@torch.no_grad()
+def superlinear_decode_step(q, q_s, k_cache, v_cache, length: Optional[int] = None,
+                            search_power=0.5, span_power=0.5, topk=2, backward_factor=2.0,
+                            forward_factor=0.0, sw_index=0, impl=None):
+    """One decode step: the query of position i = length - 1 over the cache.
+
+    q, q_s: [B, H, D]; k_cache, v_cache: [B, L, H_kv, D] holding positions [0, length) (the
+    current token's key/value appended already; ``length`` defaults to L, entries past it are
+    never read). Returns [B, H, D] in q's dtype: row i of the full forward.
+
+    Work per (batch, query head) is O(sqrt(i)) at p = p_sp = 1/2: ~i^p search scores, top-k
+    spans of <= ceil(b*l) + ceil(f*l) + 1 keys (l = ceil(i^p_sp)) and the w window keys.
+    """
+    op = "superlinear_decode_step"
+    for name, t in (("q", q), ("q_s", q_s)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be a tensor of shape [B, H, D] (one token), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    B, _, H, H_kv, D, L = _check_cache(op, q[:, None], q_s[:, None], k_cache, v_cache,
+                                       "[B, H, D]")
+    length = L if length is None else length
+    _check_int(op, "length", length, 1, L)
+    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
+    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
+                 backward_factor=backward_factor, forward_factor=forward_factor,
+                 sw_index=sw_index)
+    kernel = _decode_kernel()
+    if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
+        return kernel(q, q_s, k_cache, v_cache, length, **knobs)
+    return _reference_rows(q[:, None], q_s[:, None], k_cache, v_cache, length - 1, knobs, 1)[:, 0]

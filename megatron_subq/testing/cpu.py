@@ -18,6 +18,10 @@ GPU machine. Each patch says what it answers:
    (torch_dist saves and logging call them).
 6. ``param.grad.type() == 'torch.cuda.FloatTensor'`` in clip_grads: under the mode, ``Tensor.type()``
    (no arguments) names the CUDA type of a CPU tensor.
+7. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> None / no-op: activation
+   recomputation (``--recompute-activations``, ``CheckpointFunction``) saves and restores the CUDA
+   generator's state around the recomputed forward; the CPU generator and the tracker (3) are still
+   saved and restored by megatron itself.
 """
 
 from __future__ import annotations
@@ -119,6 +123,9 @@ def install_cpu_fallbacks() -> bool:
     torch.cuda.manual_seed_all = lambda *a, **k: None
 
     from megatron.core.tensor_parallel import random as tp_random  # noqa: PLC0415
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: None  # 7
+    tp_random._set_cuda_rng_state = lambda *a, **k: None
 
     tracker = _CpuRngTracker()  # 3
     tp_random._CUDA_RNG_STATE_TRACKER = tracker

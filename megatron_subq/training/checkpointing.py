@@ -5,7 +5,7 @@ resume exactly, laid out as Megatron-LM does::
     SAVE/iter_0000020/                         one dist_checkpointing folder per save
 
 What is saved: the model's sharded state dict, the optimizer's (main params and moments; the
-distributed optimizer in its model-space format, so it reshards), the LR/WD scheduler, the
+distributed optimizer per parameter by default, so it reshards), the LR/WD scheduler, the
 iteration, ``consumed_train_samples`` (the data iterator's whole state, see ``data.py``), the
 FLOP count so far, the arguments, and every RNG (Python, NumPy, torch CPU/CUDA and megatron's
 model-parallel tracker) per (PP, TP) rank.
@@ -282,6 +282,14 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
     load_rng = args.load_rng and not args.finetune and not resharding and "rng_state" in \
         _sharded_keys(folder)
     metadata = common.get("optimizer_metadata") or {}
+    saved_distributed = bool(saved.get("use_distributed_optimizer"))
+    if load_optim and saved_distributed != bool(args.use_distributed_optimizer):
+        raise ValueError(
+            f"--load {root}: {folder} holds the state of "
+            f"{'the distributed' if saved_distributed else 'a non-distributed'} optimizer, this "
+            f"run {'uses' if args.use_distributed_optimizer else 'does not use'} "
+            "--use-distributed-optimizer; match the flag, or load the weights only with "
+            "--no-load-optim")
     if resharding:
         log(f"resharding checkpoint from (TP, PP)={saved_layout} to {layout}; RNG states are not "
             "restored")
