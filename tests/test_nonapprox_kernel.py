@@ -104,7 +104,7 @@ SMALL_SHAPES = {
     63: (1, 63, 2, 2, 24),
     64: (2, 64, 4, 2, 16),
     65: (1, 65, 3, 1, 32),
-    200: (1, 200, 2, 1, 16),  # 4 chunks: the scans carry across chunks
+    200: (1, 200, 2, 1, 72),  # D > 64: 32-token chunks (7), the scans carry across them
 }
 
 

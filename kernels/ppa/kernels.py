@@ -51,7 +51,7 @@ def _online_softmax_update(m_i, l_i, acc, scores, values, PREC: tl.constexpr,
 
 @triton.jit
 def ppa_fwd_kernel(
-    Q, K, V, O, LSE, ATTENDED, FAR, FAR_COUNT,
+    Q, K, V, O, LSE, ATTENDED, FAR, FAR_COUNT, SEQ_START,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -59,7 +59,7 @@ def ppa_fwd_kernel(
     T, H, G, qk_scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # late query blocks meet the most diagonals: launch them first (fewer stragglers)
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -76,6 +76,10 @@ def ppa_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     rows_m = offs_m.to(tl.int64)
 
+    if VARLEN:  # packed sequences: a query sees keys from the start of its own sequence on
+        q_start = tl.load(SEQ_START + offs_m, mask=q_ok, other=T)
+    else:
+        q_start = tl.zeros([BLOCK_M], dtype=tl.int32)
     q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
@@ -91,7 +95,7 @@ def ppa_fwd_kernel(
     for j in range(0, n_far):
         s = tl.load(FAR + j)
         kpos = offs_m - s
-        ok = q_ok & (kpos >= 0)
+        ok = q_ok & (kpos >= q_start)
         rows_k = kpos.to(tl.int64)
         k = tl.load(k_base + rows_k[:, None] * stride_kt + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
@@ -108,7 +112,7 @@ def ppa_fwd_kernel(
         m_i = m_new
 
     # (2) dense tiles for offsets 0..R: keys [m0 - R, m0 + BLOCK_M)
-    lo = tl.maximum(m0 - dense_reach, 0)
+    lo = tl.maximum(m0 - dense_reach, tl.min(q_start, 0))
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(lo, hi, BLOCK_N):
@@ -119,7 +123,7 @@ def ppa_fwd_kernel(
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         scores = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale
         dist = offs_m[:, None] - offs_n[None, :]
-        ok = (dist >= 0) & (dist <= dense_reach) & n_ok[None, :]
+        ok = (dist >= 0) & (dist <= dense_reach) & (offs_n[None, :] >= q_start[:, None])
         if USE_LOOKUP:
             ok = ok & (tl.load(ATTENDED + dist, mask=ok, other=0) != 0)
         scores = tl.where(ok, scores, float("-inf"))
@@ -137,7 +141,7 @@ def ppa_fwd_kernel(
 
 @triton.jit
 def ppa_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, ATTENDED, FAR, FAR_COUNT,
+    Q, K, V, DO, DQ, LSE, DELTA, ATTENDED, FAR, FAR_COUNT, SEQ_START,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -146,7 +150,7 @@ def ppa_bwd_dq_kernel(
     T, H, G, qk_scale, scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dq_i = scale * sum_k P_ik (dP_ik - delta_i) k_k, over the same key sets as the forward."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heavy blocks first, as in the forward
@@ -164,6 +168,10 @@ def ppa_bwd_dq_kernel(
     rows_m = offs_m.to(tl.int64)
     qd_mask = q_ok[:, None] & d_ok[None, :]
 
+    if VARLEN:  # packed sequences: a query sees keys from the start of its own sequence on
+        q_start = tl.load(SEQ_START + offs_m, mask=q_ok, other=T)
+    else:
+        q_start = tl.zeros([BLOCK_M], dtype=tl.int32)
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows_m[:, None] * stride_qt + offs_d[None, :],
@@ -178,7 +186,7 @@ def ppa_bwd_dq_kernel(
     for j in range(0, n_far):
         s = tl.load(FAR + j)
         kpos = offs_m - s
-        ok = q_ok & (kpos >= 0)
+        ok = q_ok & (kpos >= q_start)
         rows_k = kpos.to(tl.int64)
         k = tl.load(k_base + rows_k[:, None] * stride_kt + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -189,7 +197,7 @@ def ppa_bwd_dq_kernel(
         ds = p * (tl.sum(do.to(tl.float32) * v, 1) - delta)
         dq += ds[:, None] * k
 
-    lo = tl.maximum(m0 - dense_reach, 0)
+    lo = tl.maximum(m0 - dense_reach, tl.min(q_start, 0))
     lo = (lo // BLOCK_N) * BLOCK_N
     hi = tl.minimum(m0 + BLOCK_M, T)
     for n0 in range(lo, hi, BLOCK_N):
@@ -201,7 +209,8 @@ def ppa_bwd_dq_kernel(
         v = tl.load(v_base + rows_n[:, None] * stride_vt + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         dist = offs_m[:, None] - offs_n[None, :]
-        ok = (dist >= 0) & (dist <= dense_reach) & n_ok[None, :] & q_ok[:, None]
+        ok = (dist >= 0) & (dist <= dense_reach) & (offs_n[None, :] >= q_start[:, None])
+        ok = ok & q_ok[:, None]
         if USE_LOOKUP:
             ok = ok & (tl.load(ATTENDED + dist, mask=ok, other=0) != 0)
         scores = _dot(q, tl.trans(k), PREC, UPCAST) * qk_scale
@@ -216,7 +225,7 @@ def ppa_bwd_dq_kernel(
 
 @triton.jit
 def ppa_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, ATTENDED, FAR, FAR_COUNT,
+    Q, K, V, DO, DK, DV, LSE, DELTA, ATTENDED, FAR, FAR_COUNT, SEQ_END,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -226,7 +235,7 @@ def ppa_bwd_dkdv_kernel(
     T, H, G, qk_scale, scale, dense_reach,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_LOOKUP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_LOOKUP: tl.constexpr, VARLEN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dk, dv of one key block of one key/value head, summed over the G query heads of its group.
 
@@ -254,7 +263,11 @@ def ppa_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     n_far = tl.load(FAR_COUNT + pid_n)
-    q_hi = tl.minimum(n0 + BLOCK_N + dense_reach, T)
+    if VARLEN:  # packed sequences: a key is seen by queries before the end of its own sequence
+        k_end = tl.load(SEQ_END + offs_n, mask=n_ok, other=0)
+    else:
+        k_end = tl.zeros([BLOCK_N], dtype=tl.int32) + T
+    q_hi = tl.minimum(tl.minimum(n0 + BLOCK_N + dense_reach, T), tl.max(k_end, 0))
 
     for g in range(0, G):
         h = hk * G + g
@@ -267,7 +280,7 @@ def ppa_bwd_dkdv_kernel(
         for j in range(0, n_far):
             s = tl.load(FAR + j)
             qpos = offs_n + s
-            ok = n_ok & (qpos < T)
+            ok = n_ok & (qpos < k_end)
             rows_q = qpos.to(tl.int64)
             q = tl.load(q_base + rows_q[:, None] * stride_qt + offs_d[None, :],
                         mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -293,7 +306,8 @@ def ppa_bwd_dkdv_kernel(
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
             dist = offs_m[None, :] - offs_n[:, None]  # [BLOCK_N, BLOCK_M]: query - key
-            ok = (dist >= 0) & (dist <= dense_reach) & m_ok[None, :] & n_ok[:, None]
+            ok = (dist >= 0) & (dist <= dense_reach) & (offs_m[None, :] < k_end[:, None])
+            ok = ok & n_ok[:, None]
             if USE_LOOKUP:
                 ok = ok & (tl.load(ATTENDED + dist, mask=ok, other=0) != 0)
             scores_t = _dot(k, tl.trans(q), PREC, UPCAST) * qk_scale

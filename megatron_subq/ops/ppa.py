@@ -270,20 +270,52 @@ def _kernel():
     return ppa_attention_kernel
 
 
+def check_cu_seqlens(cu_seqlens, q: torch.Tensor) -> torch.Tensor:
+    """Packed sequences: ``cu_seqlens`` = [0, end_1, ..., T] (int, non-decreasing), with B = 1."""
+    B, T = q.shape[:2]
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+        raise ValueError("ppa_attention: cu_seqlens must be a 1-D int32/int64 tensor "
+                         "[0, end_1, ..., T]")
+    if B != 1:
+        raise ValueError(f"ppa_attention: cu_seqlens needs the sequences packed along T with "
+                         f"B = 1, got B = {B}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"ppa_attention: cu_seqlens must start at 0, end at T={T} and never "
+                         f"decrease, got {bounds}")
+    return cu_seqlens
+
+
+def _per_sequence(fn, q, k, v, cu_seqlens, *args, **kwargs):
+    """Apply ``fn`` to every packed sequence of ``cu_seqlens`` separately (B = 1)."""
+    bounds = cu_seqlens.tolist()
+    outs = [fn(q[:, a:b], k[:, a:b], v[:, a:b], *args, **kwargs)
+            for a, b in zip(bounds, bounds[1:]) if b > a]
+    return torch.cat(outs, dim=1) if outs else torch.empty_like(q)
+
+
 def ppa_attention(q, k, v, power, window: int, impl: Optional[str] = None,
-                  scale: Optional[float] = None):
+                  scale: Optional[float] = None, cu_seqlens: Optional[torch.Tensor] = None):
     """Power-based partial attention. q: [B, T, H, D]; k, v: [B, T, H_kv, D] -> [B, T, H, D].
 
     ``power`` p in [0, 1] (a rational, see ``ppa_power_fraction``), ``window`` w >= 0; scale
     1/sqrt(D) unless given. ``impl``: "reference" (``ppa_attention_reference``), "kernel"
-    (Triton) or None (the kernel on CUDA, else the reference).
+    (Triton) or None (the kernel on CUDA, else the reference). ``cu_seqlens`` (optional, B = 1):
+    variable-length sequences packed along T, ``[0, end_1, ..., T]``; positions and offsets count
+    within each sequence and no query sees another sequence's keys.
     """
     check_qkv("ppa_attention", q, k, v)
     ppa_power_fraction(power)
     _check_window(window)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q)
     kernel = _kernel()
     if choose_impl("ppa_attention", impl, (q, k, v), kernel) == "kernel":
-        return kernel(q, k, v, power, window, scale=scale)
+        return kernel(q, k, v, power, window, scale=scale, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        return _per_sequence(ppa_attention_reference, q, k, v, cu_seqlens, power, window,
+                             scale=scale)
     return ppa_attention_reference(q, k, v, power, window, scale=scale)
 
 

@@ -1,0 +1,272 @@
+"""Superlinear decode: one query per (batch, head) at position i over a KV cache, O(sqrt(i)) work.
+
+At p = p_sp = 1/2 a decode step touches, per query head, ~sqrt(i) anchor keys (search), top-k
+spans of <= ceil(b*l) + ceil(f*l) + 1 keys with l = ceil(sqrt(i)), and the w window keys: no
+part of the step reads O(i) memory or launches O(i) work. Three launches (the paper's decode path
+is built from standard ops; here each stage is one small kernel, so a step costs three launches
+and its reads of the cache):
+
+1. ``decode_search_kernel`` (grid: anchor blocks x B*H_kv): the search scores q_s . k(i - d_a) of
+   all GROUP query heads of a key head, each anchor key loaded once for the group. Writes
+   ``scores [B*H, A]`` (A = the number of candidates, ~i^p).
+2. ``decode_attend_kernel`` (grid: parts x B*H): split-K attention. Part j < N_WIN covers a
+   CHUNK of the window [i - w + 1, i]; part N_WIN + slot * N_SPAN + c covers the c-th CHUNK of the
+   span (outside the window) of the slot-th best anchor. A span part first finds its anchor: the
+   slot-th best of the head's scores (k rounds of arg-max, ties to the lower index = the nearer
+   anchor, the reference's rule), then runs an online softmax over its keys. Writes the part's
+   running max m, sum l and unnormalised output (float32); the first part of a slot also writes
+   the slot's kept score (-inf: no such candidate).
+3. ``decode_combine_kernel`` (grid: B*H): per slot, the window parts and the slot's span parts
+   merged by log-sum-exp into A_slot (attention over span u window), the gate softmax over the
+   kept scores, o = sum_slot gate * A_slot; no anchor at all: the window attention.
+
+Everything position-dependent (offsets table, #candidates, window, span extents) is integer
+arithmetic on the host (``ops.superlinear``); the offset table lives on the device once per
+capacity bucket (next power of two of the length), so a step makes no host-to-device copy.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_subq.ops.dispatch import triton_interpreting
+from megatron_subq.ops.superlinear import (anchor_offsets, capacity_bucket, ceil_power,
+                                           ceil_times, superlinear_window)
+
+
+@triton.jit
+def decode_search_kernel(QS, K, OFF, SCORES, POS, A, A_STRIDE, H, GROUP, D,
+                         s_qb, s_qh, s_kb, s_kt, s_kh,
+                         BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_a = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    h_kv = H // GROUP
+    b = pid_bk // h_kv
+    hk = pid_bk % h_kv
+    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_d = tl.arange(0, BLOCK_D)
+    a_mask = offs_a < A
+    d_mask = offs_d < D
+    t = POS - tl.load(OFF + offs_a, mask=a_mask, other=0)  # candidates a < A have t >= 0
+    t = t.to(tl.int64)  # t * s_kt passes 2^31 from ~8M tokens of context (GQA 2 x 128)
+    k = tl.load(K + b.to(tl.int64) * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                mask=a_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    for g in range(0, GROUP):  # the group's query heads share the anchor keys
+        h = hk * GROUP + g
+        qs = tl.load(QS + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        s = tl.sum(k * qs[None, :], axis=1)
+        tl.store(SCORES + (b * H + h) * A_STRIDE + offs_a, s, mask=a_mask)
+
+
+@triton.jit
+def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S,
+                         POS, A, A_STRIDE, H, GROUP, D, WIN_LO, BACK, FWD, N_WIN, N_SPAN, NPART,
+                         scale, s_qb, s_qh, s_kb, s_kt, s_kh,
+                         TOPK: tl.constexpr, BLOCK_ALL: tl.constexpr, CHUNK: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    j = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    if j < N_WIN:  # a chunk of the window [WIN_LO, POS]
+        r_lo = WIN_LO + j * CHUNK
+        r_hi = tl.minimum(POS, r_lo + CHUNK - 1)
+    else:  # a chunk of the span of the slot-th best anchor
+        slot = (j - N_WIN) // N_SPAN
+        c = (j - N_WIN) % N_SPAN
+        idx = tl.arange(0, BLOCK_ALL)
+        scores = tl.load(SCORES + pid_bh * A_STRIDE + idx, mask=idx < A, other=float("-inf"))
+        best = float("-inf")
+        best_a = 0
+        for r in tl.static_range(TOPK):  # r-th best: arg-max, ties to the lower index (nearer)
+            m = tl.max(scores, axis=0)
+            a_r = tl.min(tl.where(scores == m, idx, BLOCK_ALL), axis=0)
+            best = tl.where(r == slot, m, best)
+            best_a = tl.where(r == slot, a_r, best_a)
+            scores = tl.where(idx == a_r, float("-inf"), scores)
+        valid = best > float("-inf")
+        t = POS - tl.load(OFF + tl.minimum(best_a, A_STRIDE - 1))
+        lo = tl.maximum(t - BACK, 0)
+        hi = tl.minimum(tl.minimum(t + FWD, POS), WIN_LO - 1)  # keys outside the window only
+        r_lo = lo + c * CHUNK
+        r_hi = tl.where(valid, tl.minimum(hi, r_lo + CHUNK - 1), r_lo - 1)
+        if c == 0:
+            tl.store(SEL_S + pid_bh * TOPK + slot, best)
+
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(r_lo, r_hi + 1, BLOCK_N):
+        cols = n0 + offs_n
+        n_mask = cols <= r_hi
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        ptr = b.to(tl.int64) * s_kb + cols.to(tl.int64)[:, None] * s_kt + hk * s_kh + \
+            offs_d[None, :]
+        k = tl.load(K + ptr, mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(V + ptr, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.where(n_mask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a key
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m_i = m_new
+    out = pid_bh * NPART + j
+    tl.store(PART_M + out, m_i)
+    tl.store(PART_L + out, l_i)
+    tl.store(PART_O + out * D + offs_d, acc, mask=d_mask)
+
+
+@triton.jit
+def _merge(part_m, part_l, part_o, sel):
+    """Log-sum-exp merge of the parts selected by ``sel``: (max, sum, unnormalised output)."""
+    m = tl.max(tl.where(sel, part_m, float("-inf")), axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.where(sel & (part_m > float("-inf")), tl.exp(part_m - m_safe), 0.0)
+    return m, tl.sum(w * part_l, axis=0), tl.sum(w[:, None] * part_o, axis=0)
+
+
+@triton.jit
+def decode_combine_kernel(PART_M, PART_L, PART_O, SEL_S, O, H, D, N_WIN, N_SPAN, NPART,
+                          s_ob, s_oh,
+                          TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // H
+    h = pid_bh % H
+    parts = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    p_mask = parts < NPART
+    d_mask = offs_d < D
+    row = pid_bh * NPART + parts
+    part_m = tl.load(PART_M + row, mask=p_mask, other=float("-inf"))
+    part_l = tl.load(PART_L + row, mask=p_mask, other=0.0)
+    part_o = tl.load(PART_O + row[:, None] * D + offs_d[None, :],
+                     mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    m_w, l_w, o_w = _merge(part_m, part_l, part_o, parts < N_WIN)
+
+    # the gate: softmax over the kept slots' scores
+    slots = tl.arange(0, TOPK_PAD)
+    sel_s = tl.load(SEL_S + pid_bh * TOPK + slots, mask=slots < TOPK, other=float("-inf"))
+    kept = sel_s > float("-inf")
+    top = tl.max(sel_s, axis=0)
+    e = tl.where(kept, tl.exp(sel_s - tl.where(top == float("-inf"), 0.0, top)), 0.0)
+    gate = e / tl.maximum(tl.sum(e, axis=0), 1e-30)
+
+    mixed = tl.zeros([BLOCK_D], tl.float32)
+    for slot in tl.static_range(TOPK):
+        first = N_WIN + slot * N_SPAN
+        m_s, l_s, o_s = _merge(part_m, part_l, part_o, (parts >= first) & (parts < first + N_SPAN))
+        m = tl.maximum(m_s, m_w)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        c_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_safe), 0.0)
+        c_w = tl.where(m_w > float("-inf"), tl.exp(m_w - m_safe), 0.0)
+        den = c_s * l_s + c_w * l_w
+        a_slot = (c_s * o_s + c_w * o_w) / tl.where(den > 0, den, 1.0)  # A_{i,t}
+        mixed += tl.sum(tl.where(slots == slot, gate, 0.0), axis=0) * a_slot
+    window_only = o_w / tl.where(l_w > 0, l_w, 1.0)
+    out = tl.where(tl.max(kept.to(tl.int32), axis=0) > 0, mixed, window_only)
+    tl.store(O + b * s_ob + h * s_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+_OFFSETS: Dict[tuple, Tuple[Tuple[int, ...], torch.Tensor]] = {}
+
+
+def decode_offsets(capacity: int, search_power, sw_index: int, device):
+    """The offset table of a capacity bucket: (the tuple, an int32 device copy), cached."""
+    key = (capacity, search_power, sw_index, str(device))
+    if key not in _OFFSETS:
+        offsets = anchor_offsets(capacity, search_power, sw_index)
+        table = torch.tensor(offsets or (capacity,), dtype=torch.int32, device=device)
+        _OFFSETS[key] = (offsets, table)
+    return _OFFSETS[key]
+
+
+def decode_geometry(length: int, search_power=0.5, span_power=0.5, backward_factor=2.0,
+                    forward_factor=0.0, sw_index=0) -> dict:
+    """Everything position-dependent of the query at i = length - 1, in exact integer arithmetic:
+    #candidates, window start, span extents (the reference's definitions)."""
+    pos = length - 1
+    offsets = anchor_offsets(capacity_bucket(length), search_power, sw_index)
+    w = superlinear_window(search_power, sw_index)
+    scale = ceil_power(pos, span_power)
+    return dict(pos=pos, candidates=bisect.bisect_right(offsets, pos),
+                a_stride=max(1, len(offsets)), win_lo=max(0, pos - w + 1) if w > 0 else pos + 1,
+                back=ceil_times(backward_factor, scale), fwd=ceil_times(forward_factor, scale))
+
+
+def decode_chunk_default() -> int:
+    return 16 if triton_interpreting() else 512  # keys per split-K part
+
+
+@torch.no_grad()
+def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_power=0.5,
+                              span_power=0.5, topk=2, backward_factor=2.0, forward_factor=0.0,
+                              sw_index=0, chunk: Optional[int] = None,
+                              block_n: Optional[int] = None):
+    """``ops.superlinear_decode_step`` on the kernels (arguments checked by the op).
+
+    q, q_s: [B, H, D]; k_cache, v_cache: [B, L, H_kv, D] with positions [0, length) filled (only
+    O(sqrt(length)) rows of them are read). Returns [B, H, D] in q's dtype.
+    """
+    out_dtype = q.dtype
+    B, H, D = q.shape
+    H_kv = k_cache.shape[2]
+    k, v = k_cache, v_cache
+    if out_dtype == torch.bfloat16 and triton_interpreting():
+        # the interpreter (numpy) has no bf16: run on fp32 copies there only (CPU tests)
+        q, q_s, k, v = (x.float() for x in (q, q_s, k[:, :length], v[:, :length]))
+    q, q_s = q.contiguous(), q_s.contiguous()
+    if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels share k's strides for v
+        k, v = k.contiguous(), v.contiguous()
+    geo = decode_geometry(length, search_power, span_power, backward_factor, forward_factor,
+                          sw_index)
+    _, offsets = decode_offsets(capacity_bucket(length), search_power, sw_index, q.device)
+    chunk = chunk or decode_chunk_default()
+    block_n = block_n or min(chunk, 16 if triton_interpreting() else 64)
+    block_d = max(16, triton.next_power_of_2(D))
+    pos, n_cand, a_stride = geo["pos"], geo["candidates"], geo["a_stride"]
+    win_len = pos - geo["win_lo"] + 1
+    n_win = triton.cdiv(win_len, chunk)
+    n_span = max(1, triton.cdiv(geo["back"] + geo["fwd"] + 1, chunk))
+    n_part = n_win + topk * n_span
+    dev = q.device
+
+    scores = torch.empty(B * H, a_stride, dtype=torch.float32, device=dev)
+    if n_cand > 0:
+        block_a = 64 if not triton_interpreting() else 16
+        decode_search_kernel[(triton.cdiv(n_cand, block_a), B * H_kv)](
+            q_s, k, offsets, scores, pos, n_cand, a_stride, H, H // H_kv, D,
+            q_s.stride(0), q_s.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4)
+    part_m = torch.empty(B * H, n_part, dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    part_o = torch.empty(B * H, n_part, D, dtype=torch.float32, device=dev)
+    sel_s = torch.empty(B * H, topk, dtype=torch.float32, device=dev)
+    decode_attend_kernel[(n_part, B * H)](
+        q, k, v, scores, offsets, part_m, part_l, part_o, sel_s,
+        pos, n_cand, a_stride, H, H // H_kv, D, geo["win_lo"], geo["back"], geo["fwd"], n_win,
+        n_span, n_part, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        k.stride(2), TOPK=topk, BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+    out = torch.empty(B, H, D, dtype=out_dtype, device=dev)
+    decode_combine_kernel[(B * H,)](
+        part_m, part_l, part_o, sel_s, out, H, D, n_win, n_span, n_part, out.stride(0),
+        out.stride(1), TOPK=topk, TOPK_PAD=max(2, triton.next_power_of_2(topk)),
+        BLOCK_P=max(16, triton.next_power_of_2(n_part)), BLOCK_D=block_d, num_warps=4)
+    return out
