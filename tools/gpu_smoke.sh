@@ -61,8 +61,8 @@ for run in "${RUNS[@]}"; do
   [ -n "${LAYOUT[$run]+x}" ] || { echo "unknown run $run (have: ${!LAYOUT[*]})"; exit 2; }
   rm -f "$WORK/$run.jsonl"
   # shellcheck disable=SC2206
-  cmd=(torchrun --nproc-per-node "$NGPU" examples/pretrain_gpt.py "${COMMON[@]}" ${LAYOUT[$run]}
-       --metrics-file "$WORK/$run.jsonl" ${EXTRA:-})
+  cmd=(python3 -m torch.distributed.run --nproc-per-node "$NGPU" examples/pretrain_gpt.py
+       "${COMMON[@]}" ${LAYOUT[$run]} --metrics-file "$WORK/$run.jsonl" ${EXTRA:-})
   echo "\$ ${cmd[*]}" | tee "$OUT/$run.log"
   if ! "${cmd[@]}" >> "$OUT/$run.log" 2>&1; then
     echo "run $run FAILED (tail of $OUT/$run.log):"; tail -30 "$OUT/$run.log"; status=1

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
-from megatron_subq.ops.ppa import _offsets_array, ppa_power_fraction
+from megatron_subq.ops.ppa import _offsets_array, check_cu_seqlens, ppa_power_fraction
 
 from .kernels import ppa_bwd_dkdv_kernel, ppa_bwd_dq_kernel, ppa_fwd_kernel
 
@@ -111,6 +111,15 @@ def offset_plan(p: Fraction, window: int, T: int, dense_gap: int, block_m: int, 
     return plan
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor, T: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per token of a packed batch: the first position of its sequence and one past its last."""
+    cu = cu_seqlens.to(torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths, output_size=T)
+    ends = torch.repeat_interleave(cu[1:], lengths, output_size=T)
+    return starts.to(torch.int32).contiguous(), ends.to(torch.int32).contiguous()
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -122,30 +131,35 @@ def _strides(x: torch.Tensor) -> Tuple[int, int, int]:
 class PPAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p: Fraction, window: int, scale: float, dense_gap: int,
-                cfg: LaunchConfig):
+                cfg: LaunchConfig, cu_seqlens: Optional[torch.Tensor]):
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         B, T, H, D = q.shape
         G = H // k.shape[2]
         plan = offset_plan(p, window, T, dense_gap, cfg.block_m, cfg.block_n, q.device)
+        varlen = cu_seqlens is not None
+        # far counts stay those of the whole packed length: upper bounds, the masks do the rest
+        seq_start, seq_end = (sequence_bounds(cu_seqlens.to(q.device), T) if varlen
+                              else (plan.far, plan.far))  # unused pointers when not varlen
         o = torch.empty_like(q)
         lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 unused for 16-bit
         common = dict(HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, USE_LOOKUP=plan.use_lookup,
+                      VARLEN=varlen,
                       PREC=precision, UPCAST=q.dtype == torch.bfloat16 and triton_interpreting(),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if T > 0:
             ppa_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-                q, k, v, o, lse, plan.attended, plan.far, plan.far_count_q,
+                q, k, v, o, lse, plan.attended, plan.far, plan.far_count_q, seq_start,
                 *_strides(q), *_strides(k), *_strides(v), *_strides(o),
                 T, H, G, scale * LOG2E, plan.dense_reach, **common)
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, seq_start, seq_end)
         ctx.plan, ctx.scale, ctx.common, ctx.cfg = plan, scale, common, cfg
         return o
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, seq_start, seq_end = ctx.saved_tensors
         plan, scale, common, cfg = ctx.plan, ctx.scale, ctx.common, ctx.cfg
         d_out = _last_dim_contiguous(d_out)
         B, T, H, D = q.shape
@@ -157,23 +171,26 @@ class PPAFunction(torch.autograd.Function):
         if T > 0:
             ppa_bwd_dq_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
                 q, k, v, d_out, dq, lse, delta, plan.attended, plan.far, plan.far_count_q,
+                seq_start,
                 *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(dq),
                 T, H, G, scale * LOG2E, scale, plan.dense_reach, **common)
             ppa_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
                 q, k, v, d_out, dk, dv, lse, delta, plan.attended, plan.far, plan.far_count_k,
+                seq_end,
                 *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(dk),
                 *_strides(dv), T, H, G, scale * LOG2E, scale, plan.dense_reach, **common)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def ppa_attention_kernel(q, k, v, power, window: int, scale: Optional[float] = None, *,
-                         dense_gap: int = DENSE_GAP, block_m: Optional[int] = None,
+                         cu_seqlens: Optional[torch.Tensor] = None, dense_gap: int = DENSE_GAP,
+                         block_m: Optional[int] = None,
                          block_n: Optional[int] = None) -> torch.Tensor:
     """PPA through the Triton kernels. q: [B, T, H, D]; k, v: [B, T, H_kv, D] -> [B, T, H, D].
 
-    Arguments are those of ``ops.ppa_attention`` (which checks them); ``dense_gap``, ``block_m``
-    and ``block_n`` tune the split between dense tiles and diagonals and the tile sizes (powers
-    of two >= 16).
+    Arguments are those of ``ops.ppa_attention`` (which checks them; ``cu_seqlens``: packed
+    variable-length sequences, B = 1); ``dense_gap``, ``block_m`` and ``block_n`` tune the split
+    between dense tiles and diagonals and the tile sizes (powers of two >= 16).
     """
     p = ppa_power_fraction(power)
     D = q.shape[3]
@@ -186,4 +203,6 @@ def ppa_attention_kernel(q, k, v, power, window: int, scale: Optional[float] = N
     if isinstance(dense_gap, bool) or not isinstance(dense_gap, int) or dense_gap < 0:
         raise ValueError(f"ppa_attention_kernel: dense_gap={dense_gap!r} is invalid: allowed an "
                          "integer >= 0")
-    return PPAFunction.apply(q, k, v, p, int(window), scale, dense_gap, cfg)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q)
+    return PPAFunction.apply(q, k, v, p, int(window), scale, dense_gap, cfg, cu_seqlens)

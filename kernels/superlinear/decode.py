@@ -17,7 +17,7 @@ and its reads of the cache):
    running max m, sum l and unnormalised output (float32); the first part of a slot also writes
    the slot's kept score (-inf: no such candidate).
 3. ``decode_combine_kernel`` (grid: B*H): per slot, the window parts and the slot's span parts
-   merged by log-sum-exp into A_slot (attention over span u window), the gate softmax over the
+   merged by log-sum-exp (BLOCK_P parts at a time) into A_slot (attention over span u window), the gate softmax over the
    kept scores, o = sum_slot gate * A_slot; no anchor at all: the window attention.
 
 Everything position-dependent (offsets table, #candidates, window, span extents) is integer
@@ -130,12 +130,32 @@ def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S,
 
 
 @triton.jit
-def _merge(part_m, part_l, part_o, sel):
-    """Log-sum-exp merge of the parts selected by ``sel``: (max, sum, unnormalised output)."""
-    m = tl.max(tl.where(sel, part_m, float("-inf")), axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(sel & (part_m > float("-inf")), tl.exp(part_m - m_safe), 0.0)
-    return m, tl.sum(w * part_l, axis=0), tl.sum(w[:, None] * part_o, axis=0)
+def _merge_parts(PART_M, PART_L, PART_O, row0, first, stop, D,
+                 BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Log-sum-exp merge of the parts [first, stop) of one head (rows row0 + j), BLOCK_P at a
+    time: (max, sum, unnormalised output); (-inf, 0, 0) for none."""
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    m = float("-inf")
+    total = 0.0
+    o = tl.zeros([BLOCK_D], tl.float32)
+    for j0 in range(first, stop, BLOCK_P):
+        parts = j0 + offs_p
+        p_mask = parts < stop
+        row = row0 + parts
+        part_m = tl.load(PART_M + row, mask=p_mask, other=float("-inf"))
+        part_l = tl.load(PART_L + row, mask=p_mask, other=0.0)
+        part_o = tl.load(PART_O + row[:, None] * D + offs_d[None, :],
+                         mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(part_m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(part_m > float("-inf"), tl.exp(part_m - m_safe), 0.0)
+        c = tl.where(m > float("-inf"), tl.exp(m - m_safe), 0.0)
+        total = total * c + tl.sum(w * part_l, axis=0)
+        o = o * c + tl.sum(w[:, None] * part_o, axis=0)
+        m = m_new
+    return m, total, o
 
 
 @triton.jit
@@ -146,16 +166,10 @@ def decode_combine_kernel(PART_M, PART_L, PART_O, SEL_S, O, H, D, N_WIN, N_SPAN,
     pid_bh = tl.program_id(0)
     b = pid_bh // H
     h = pid_bh % H
-    parts = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
-    p_mask = parts < NPART
     d_mask = offs_d < D
-    row = pid_bh * NPART + parts
-    part_m = tl.load(PART_M + row, mask=p_mask, other=float("-inf"))
-    part_l = tl.load(PART_L + row, mask=p_mask, other=0.0)
-    part_o = tl.load(PART_O + row[:, None] * D + offs_d[None, :],
-                     mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-    m_w, l_w, o_w = _merge(part_m, part_l, part_o, parts < N_WIN)
+    row0 = pid_bh * NPART
+    m_w, l_w, o_w = _merge_parts(PART_M, PART_L, PART_O, row0, 0, N_WIN, D, BLOCK_P, BLOCK_D)
 
     # the gate: softmax over the kept slots' scores
     slots = tl.arange(0, TOPK_PAD)
@@ -168,7 +182,8 @@ def decode_combine_kernel(PART_M, PART_L, PART_O, SEL_S, O, H, D, N_WIN, N_SPAN,
     mixed = tl.zeros([BLOCK_D], tl.float32)
     for slot in tl.static_range(TOPK):
         first = N_WIN + slot * N_SPAN
-        m_s, l_s, o_s = _merge(part_m, part_l, part_o, (parts >= first) & (parts < first + N_SPAN))
+        m_s, l_s, o_s = _merge_parts(PART_M, PART_L, PART_O, row0, first, first + N_SPAN, D,
+                                     BLOCK_P, BLOCK_D)
         m = tl.maximum(m_s, m_w)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         c_s = tl.where(m_s > float("-inf"), tl.exp(m_s - m_safe), 0.0)
@@ -268,5 +283,5 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
     decode_combine_kernel[(B * H,)](
         part_m, part_l, part_o, sel_s, out, H, D, n_win, n_span, n_part, out.stride(0),
         out.stride(1), TOPK=topk, TOPK_PAD=max(2, triton.next_power_of_2(topk)),
-        BLOCK_P=max(16, triton.next_power_of_2(n_part)), BLOCK_D=block_d, num_warps=4)
+        BLOCK_P=16 if triton_interpreting() else 32, BLOCK_D=block_d, num_warps=4)
     return out

@@ -14,7 +14,8 @@ from .ppa import ppa_attention, ppa_offsets
 from .sas import SASBranchWeights, peaa, sas_attention, sas_simulated_attention
 from .shared_map import shared_map_attention
 from .standard import standard_attention
-from .superlinear import superlinear_anchors, superlinear_attention
+from .superlinear import (superlinear_anchors, superlinear_attention, superlinear_decode_cost,
+                          superlinear_decode_step, superlinear_prefill)
 
 __all__ = ["ApproxState", "approx_attention", "approx_decode_step", "approx_empty_state",
            "approx_prefill", "NonapproxState", "nonapprox_attention", "nonapprox_decode_step",
@@ -23,4 +24,5 @@ __all__ = ["ApproxState", "approx_attention", "approx_decode_step", "approx_empt
            "IMPLS", "choose_impl", "repeat_kv", "ppa_attention", "ppa_offsets",
            "SASBranchWeights", "peaa", "sas_attention",
            "sas_simulated_attention", "shared_map_attention", "standard_attention",
-           "superlinear_anchors", "superlinear_attention"]
+           "superlinear_anchors", "superlinear_attention", "superlinear_decode_cost",
+           "superlinear_decode_step", "superlinear_prefill"]

@@ -32,6 +32,7 @@ O(L^2)-mask form of the same definition, written independently, for tests.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -559,6 +560,25 @@ def superlinear_prefill(q, q_s, k_cache, v_cache, start: Optional[int] = None,
     if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
         return kernel(q, q_s, k_cache, v_cache, start, **knobs)
     return _reference_rows(q, q_s, k_cache, v_cache, start, knobs, DEFAULT_QUERY_CHUNK)
+
+
+def superlinear_decode_cost(length: int, search_power=0.5, span_power=0.5, topk=2,
+                            backward_factor=2.0, forward_factor=0.0, sw_index=0) -> dict:
+    """Cache rows one decode step reads per query head, for the query at i = length - 1:
+    ``search`` candidate anchor keys (~i^p), at most ``spans`` = min(k, #candidates) spans of
+    ceil(b*l) + ceil(f*l) + 1 keys and values (l = ceil(i^p_sp); an upper bound: span keys inside
+    the window are not read twice), ``window`` = min(w, i + 1) keys and values. At p = p_sp = 1/2
+    the total is ~(1 + k(b + f)) sqrt(i) + w: O(sqrt(L)) with the window as a constant."""
+    _check_int("superlinear_decode_cost", "length", length, 1, 1 << 62)
+    i = length - 1
+    offsets = anchor_offsets(capacity_bucket(length), search_power, sw_index)
+    candidates = bisect.bisect_right(offsets, i)
+    scale = ceil_power(i, span_power)
+    span = min(i + 1, ceil_times(backward_factor, scale) + ceil_times(forward_factor, scale) + 1)
+    window = min(superlinear_window(search_power, sw_index), i + 1)
+    spans = min(topk, candidates) * span
+    return dict(search=candidates, spans=spans, window=window,
+                total=candidates + spans + window)
 
 
 @torch.no_grad()

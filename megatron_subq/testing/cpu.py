@@ -18,10 +18,10 @@ GPU machine. Each patch says what it answers:
    (torch_dist saves and logging call them).
 6. ``param.grad.type() == 'torch.cuda.FloatTensor'`` in clip_grads: under the mode, ``Tensor.type()``
    (no arguments) names the CUDA type of a CPU tensor.
-7. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> None / no-op: activation
-   recomputation (``--recompute-activations``, ``CheckpointFunction``) saves and restores the CUDA
-   generator's state around the recomputed forward; the CPU generator and the tracker (3) are still
-   saved and restored by megatron itself.
+7. ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> None / no-op:
+   activation recomputation (``CheckpointFunction``) saves and restores the CUDA generator's state
+   around the recomputed forward; megatron still saves and restores the CPU generator and the
+   tracker (3) there.
 """
 
 from __future__ import annotations
