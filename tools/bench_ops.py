@@ -10,6 +10,18 @@ is installed, fla's ``chunk_linear_attn`` (the linear-attention peer, on m-dimen
 Printed as a table (ratios against cuDNN) and written as JSON with the GPU name, the date and the
 exact command.
 
+Superlinear inference (issue 7; Nemotron layout 32 query / 2 KV heads, d = 128):
+
+    python tools/bench_ops.py --ops superlinear_prefill --heads 32 --kv-heads 2 \
+        --lengths 16384,32768,65536 --json prefill.json         # vs cuDNN dense prefill
+    python tools/bench_ops.py --ops superlinear_prefill --baselines "" --heads 32 --kv-heads 2 \
+        --lengths 131072,262144,524288,1048576                  # chunked prefill up to 1M
+    python tools/bench_ops.py --ops superlinear_decode --baselines "" --heads 32 --kv-heads 2 \
+        --lengths 65536,262144,1048576 --json decode.json       # decode vs SDPA over the cache
+
+``superlinear_decode`` rows time one step over a cache of T tokens and carry their own dense
+baseline (``sdpa_decode[...]``); their ratio is printed as "x dense decode".
+
 Adding an op: write ``bench_<op>(args, T, dtype) -> [(row_name, fwd_fn, fwd_bwd_fn, info)]`` and
 register it in ``OP_BENCHES``; ``fwd_fn()`` runs the forward only, ``fwd_bwd_fn()`` forward and
 backward, ``info`` is a dict (e.g. the minimal HBM bytes of the forward, for a bandwidth figure).
@@ -130,6 +142,15 @@ def bench_asa(args, T: int, dtype) -> List[Row]:
     return rows
 
 
+# Issue 7's configuration: w = 1088 (sw_index 32), top-2, b = 4, f = 2, p = p_sp = 1/2
+SUPERLINEAR_KNOBS = dict(search_power=0.5, span_power=0.5, topk=2, backward_factor=4.0,
+                         forward_factor=2.0, sw_index=32)
+
+
+def _superlinear_knobs(args) -> dict:
+    return {**SUPERLINEAR_KNOBS, **json.loads(args.superlinear_knobs or "{}")}
+
+
 def bench_superlinear(args, T: int, dtype) -> List[Row]:
     """Issue 7's configuration: w = 1088 (sw_index 32), top-2, b = 4, f = 2, p = p_sp = 1/2."""
     from megatron_subq.ops import superlinear_attention
@@ -140,8 +161,7 @@ def bench_superlinear(args, T: int, dtype) -> List[Row]:
     q_s = _randn(B, T, H, D, dtype=dtype, scale=D ** -0.5)
     k = _randn(B, T, H_kv, D, dtype=dtype)
     v = _randn(B, T, H_kv, D, dtype=dtype)
-    knobs = dict(search_power=0.5, span_power=0.5, topk=2, backward_factor=4.0,
-                 forward_factor=2.0, sw_index=32)
+    knobs = _superlinear_knobs(args)
 
     def run():
         return superlinear_attention(q, q_s, k, v, **knobs, impl="kernel")
@@ -151,6 +171,92 @@ def bench_superlinear(args, T: int, dtype) -> List[Row]:
     keys = min(T, 1088 + 2 * (6 * math.isqrt(T) + 1))
     flops = 4 * B * H * D * T * keys
     return [("superlinear_kernel", fwd, fwd_bwd, {"fwd_flops_bound": flops})]
+
+
+def bench_superlinear_prefill(args, T: int, dtype) -> List[Row]:
+    """Chunked prefill of T tokens, forward only: each chunk of --superlinear-chunk queries
+    against the cached keys of every earlier position (``ops.superlinear_prefill``). One row per
+    chunk size; the time is the whole prefill (all chunks), so "x cuDNN fwd" compares it with
+    dense causal attention over the same T tokens. Use --heads 32 --kv-heads 2 (Nemotron)."""
+    from megatron_subq.ops import superlinear_decode_cost, superlinear_prefill
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv = args.kv_heads or H
+    q = _randn(B, T, H, D, dtype=dtype, grad=False)
+    q_s = _randn(B, T, H, D, dtype=dtype, grad=False, scale=D ** -0.5)
+    k = _randn(B, T, H_kv, D, dtype=dtype, grad=False)
+    v = _randn(B, T, H_kv, D, dtype=dtype, grad=False)
+    knobs = _superlinear_knobs(args)
+    # keys per query <= those of the last one (window + top-k spans): an upper bound of the work
+    keys = superlinear_decode_cost(T, **knobs)
+    info = {"fwd_flops_bound": 4 * B * H * D * T * (keys["spans"] + keys["window"])}
+    rows = []
+    for chunk in sorted({min(T, int(c)) for c in args.superlinear_chunk.split(",")}):
+        def run(chunk=chunk):
+            for start in range(0, T, chunk):
+                stop = min(T, start + chunk)
+                superlinear_prefill(q[:, start:stop], q_s[:, start:stop], k[:, :stop],
+                                    v[:, :stop], start=start, **knobs, impl="kernel")
+
+        rows.append((f"superlinear_prefill[chunk={chunk}]", run, None, info))
+    return rows
+
+
+def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
+    """One decode step at position T - 1 over a cache of T tokens (forward only): the
+    superlinear decode kernel (one row per --superlinear-decode-chunk, its split-K part size)
+    against dense decode attention, SDPA over the full cache (flash / efficient backends, native
+    GQA, the cache in SDPA's [B, H_kv, T, D] layout). ``fwd_min_bytes``: the cache rows a step
+    must read (superlinear: ``ops.superlinear_decode_cost``; dense: all of K and V)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_subq.kernels.superlinear import superlinear_decode_kernel
+    from megatron_subq.ops import superlinear_decode_cost, superlinear_decode_step
+
+    B, H, D = args.batch, args.heads, args.head_dim
+    H_kv = args.kv_heads or H
+    elt = torch.finfo(dtype).bits // 8
+    knobs = _superlinear_knobs(args)
+    q = _randn(B, H, D, dtype=dtype, grad=False)
+    q_s = _randn(B, H, D, dtype=dtype, grad=False, scale=D ** -0.5)
+    k_cache = _randn(B, T, H_kv, D, dtype=dtype, grad=False)
+    v_cache = _randn(B, T, H_kv, D, dtype=dtype, grad=False)
+    cost = superlinear_decode_cost(T, **knobs)
+    # anchor keys and window rows are read once per key head, span rows once per query head
+    sparse_bytes = elt * B * D * (H_kv * (cost["search"] + 2 * cost["window"])
+                                  + H * 2 * cost["spans"])
+    rows = []
+    for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
+        def run(chunk=chunk):
+            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk)
+
+        torch.testing.assert_close(  # the kernel the op dispatches to, and the same result
+            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk),
+            superlinear_decode_step(q, q_s, k_cache, v_cache, **knobs, impl="kernel"),
+            rtol=2e-2, atol=2e-2)
+        rows.append((f"superlinear_decode[chunk={chunk}]", run, None,
+                     {"decode": True, "fwd_min_bytes": sparse_bytes,
+                      "keys_per_head": cost["total"]}))
+
+    # dense decode: its own copy of the cache in SDPA's layout (not counted in the timing)
+    k_dense, v_dense = (x.transpose(1, 2).contiguous() for x in (k_cache, v_cache))
+    q_dense = q[:, :, None]  # [B, H, 1, D]
+    dense_bytes = elt * B * H_kv * T * D * 2
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def run(backend=backend):
+            with sdpa_kernel(backend):  # one query at the end sees every key: no causal mask
+                F.scaled_dot_product_attention(q_dense, k_dense, v_dense, enable_gqa=True)
+
+        try:
+            run()
+        except RuntimeError as err:  # this backend does not take the shape
+            print(f"sdpa_decode[{name}] at T={T}: skipped ({str(err).splitlines()[0]})",
+                  file=sys.stderr)
+            continue
+        rows.append((f"sdpa_decode[{name}]", run, None,
+                     {"decode": True, "dense_decode": True, "fwd_min_bytes": dense_bytes}))
+    return rows
 
 
 def bench_ppa(args, T: int, dtype) -> List[Row]:
@@ -268,6 +374,8 @@ OP_BENCHES: Dict[str, Callable[..., List[Row]]] = {
     "approx": bench_approx,
     "ppa": bench_ppa,
     "superlinear": bench_superlinear,
+    "superlinear_prefill": bench_superlinear_prefill,
+    "superlinear_decode": bench_superlinear_decode,
 }
 BASELINES: Dict[str, Callable[..., List[Row]]] = {
     "dense": bench_dense,
@@ -301,6 +409,12 @@ def main(argv=None) -> int:
                    help="flex-attention rows for PPA up to this length (0: none)")
     p.add_argument("--asa-launch", action="append", default=[],
                    help="JSON launch-config override of the ASA kernel (repeat to sweep)")
+    p.add_argument("--superlinear-knobs", default="",
+                   help="JSON dict over superlinear's issue-7 knobs (w=1088, top-2, b=4, f=2)")
+    p.add_argument("--superlinear-chunk", default="32768",
+                   help="comma list: superlinear_prefill chunk sizes (queries per chunk)")
+    p.add_argument("--superlinear-decode-chunk", default="512",
+                   help="comma list: keys per split-K part of the superlinear decode kernel")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--json", default="", help="write the results here")
     args = p.parse_args(argv)
@@ -335,6 +449,9 @@ def main(argv=None) -> int:
             for name, fwd, fwd_bwd, info in rows:
                 rec = {"T": T, "impl": name, **info}
                 for key, fn in (("fwd_ms", fwd), ("fwd_bwd_ms", fwd_bwd)):
+                    if fn is None:  # forward-only rows (inference: prefill, decode)
+                        rec[key] = None
+                        continue
                     try:
                         rec[key] = _time(fn)
                     except torch.OutOfMemoryError:
@@ -352,7 +469,7 @@ def main(argv=None) -> int:
     # ratios against cuDNN (>1: faster than cuDNN)
     cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
     for r in results:
-        base = cudnn.get(r["T"])
+        base = None if r.get("decode") else cudnn.get(r["T"])  # decode: vs dense decode below
         for key in ("fwd_ms", "fwd_bwd_ms"):
             if base and base.get(key) and r.get(key):
                 r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
@@ -366,6 +483,21 @@ def main(argv=None) -> int:
               f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
               f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
               f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")
+    # decode rows: ratio against the fastest dense decode (SDPA over the full cache) at that T
+    dense_decode: Dict[int, float] = {}
+    for r in results:
+        if r.get("dense_decode") and r.get("fwd_ms"):
+            dense_decode[r["T"]] = min(dense_decode.get(r["T"], math.inf), r["fwd_ms"])
+    decode_rows = [r for r in results if r.get("decode") and not r.get("dense_decode")]
+    for r in decode_rows:
+        if r["T"] in dense_decode and r.get("fwd_ms"):
+            r["speedup_vs_dense_decode"] = dense_decode[r["T"]] / r["fwd_ms"]
+    if decode_rows:
+        print(f"\n{'context':>9} {'decode impl':<44} {'step ms':>9} {'x dense decode':>15}")
+        for r in decode_rows:
+            ratio = r.get("speedup_vs_dense_decode")
+            print(f"{r['T']:>9} {r['impl']:<44} {r.get('fwd_ms') or math.nan:9.4f} "
+                  f"{ratio if ratio else math.nan:15.2f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

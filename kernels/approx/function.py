@@ -25,6 +25,7 @@ from .chunk import (
 
 CHUNK = 64  # tokens per chunk: the intra-chunk products are BT x BT tensor-core tiles
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
 
 
 def _launch(D: int, dtype: torch.dtype) -> dict:
@@ -161,6 +162,10 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
                          f"{SUPPORTED_DTYPES} (use impl='reference' for others)")
     if v.shape[3] != D:
         raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
+                         "tiles and D x D state blocks outgrow shared memory); use "
+                         "impl='reference'")
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:

@@ -160,6 +160,86 @@ def asa_fwd_out_kernel(
 
 
 # ------------------------------------------------------------------------------------------
+# the state scans in two parallel steps (cfg scan="parallel"): per-chunk deltas, then a prefix sum
+# ------------------------------------------------------------------------------------------
+@triton.jit
+def asa_chunk_delta_kernel(
+    x_ptr, p_ptr, y_ptr, den_ptr, r_ptr, delta_ptr, dz_ptr,
+    T, H, G, D, M, DV, NT,
+    sxb, sxt, sxh, syb, syt, syh,
+    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    BACKWARD: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+):
+    """grid (NT, cdiv(Dv, BV), B*H): one chunk's contribution to the state, all chunks at once.
+
+    forward  (x = k of head h // G, y = v):  Δ = k'ᵀ v,  Δz = Σ_t k'_t;
+    backward (x = q of head h, y = dO):      Δ = q'ᵀ g,  Δz = Σ_t r_t q'_t  (g = dO/den, linear r).
+    delta: [B*H, NT, M, DV] fp32; dz: [B*H, NT, M] fp32."""
+    c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = pid_bh // H, pid_bh % H
+    hx = h // G
+    dt = x_ptr.dtype.element_ty
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_mask = rows < T
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    feat_mask = m_idx < M
+    xc = _load_rows(x_ptr + b * sxb + hx * sxh, t0, T, sxt, d_cols, D, BT).to(dt)
+    f = _softmax_features(xc, _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
+    if BACKWARD:
+        y = _load_rows(y_ptr + b * syb + h * syh, t0, T, syt, v_cols, DV, BT).to(tl.float32)
+        if NORM != 1:
+            den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+            y = y / den[:, None]
+        y = y.to(dt)
+    else:
+        y = _load_rows(y_ptr + b * syb + hx * syh, t0, T, syt, v_cols, DV, BT).to(dt)
+    delta = tl.dot(tl.trans(f.to(dt)), y, input_precision=PREC)
+    out = pid_bh * NT + c
+    tl.store(delta_ptr + out * M * DV + m_idx[:, None] * DV + v_cols[None, :], delta,
+             mask=feat_mask[:, None] & (v_cols[None, :] < DV))
+    if pid_v == 0:
+        if BACKWARD:
+            if NORM == 0:
+                r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
+                tl.store(dz_ptr + out * M + m_idx, tl.sum(f * r[:, None], axis=0),
+                         mask=feat_mask)
+        else:
+            tl.store(dz_ptr + out * M + m_idx, tl.sum(f, axis=0), mask=feat_mask)
+
+
+@triton.jit
+def asa_chunk_scan_kernel(
+    delta_ptr, out_ptr, init_ptr, final_ptr, NT, L,
+    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+    REVERSE: tl.constexpr,
+):
+    """grid (cdiv(L, BLOCK), B*H): exclusive prefix sums over chunks, out[c] = init + Σ_{c'<c}
+    delta[c'] (REVERSE: Σ_{c'>c}); [B*H, NT, L] fp32. Only a running sum is carried from one
+    chunk to the next, so the loads stream ahead of it (unlike the fused scan's matmuls)."""
+    pid_l, pid_bh = tl.program_id(0), tl.program_id(1)
+    offs = pid_l * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < L
+    if HAS_INIT:
+        run = tl.load(init_ptr + pid_bh * L + offs, mask=mask, other=0.0)
+    else:
+        run = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(NT):
+        if REVERSE:
+            c = NT - 1 - i
+        else:
+            c = i
+        at = (pid_bh * NT + c) * L + offs
+        val = tl.load(delta_ptr + at, mask=mask, other=0.0)
+        tl.store(out_ptr + at, run, mask=mask)
+        run += val
+    if STORE_FINAL:
+        tl.store(final_ptr + pid_bh * L + offs, run, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------
 # backward
 # ------------------------------------------------------------------------------------------
 @triton.jit

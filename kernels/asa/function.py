@@ -21,6 +21,8 @@ from .chunk import (
     asa_bwd_chunk_kernel,
     asa_bwd_dp_kernel,
     asa_bwd_states_kernel,
+    asa_chunk_delta_kernel,
+    asa_chunk_scan_kernel,
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
@@ -38,7 +40,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
 
     BT: tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles); BV_*: Dv
     block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
-    per program of the dP reduction. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
+    per program of the dP reduction; scan: "parallel" (per-chunk deltas in parallel, then a
+    streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
+    its latency grows with T/BT). ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
     """
     BD, BM, BV_all = _pow2(D), _pow2(m), _pow2(Dv)
     big = max(BD, BM, BV_all) > 64
@@ -49,7 +53,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         BV_bwd=min(64, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
-        stages=2, CPG=16,
+        stages=2, CPG=16, scan="parallel", scan_block=1024, scan_warps=4, scan_stages=3,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -61,10 +65,50 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _scan(delta, init, cfg, reverse: bool, store_final: bool):
+    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32); the final sum too."""
+    B, H, NT = delta.shape[:3]
+    L = delta[0, 0, 0].numel()
+    out = torch.empty_like(delta)
+    final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
+                        device=delta.device) if store_final else out
+    asa_chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
+        delta, out, init if init is not None else out, final, NT, L,
+        BLOCK=cfg["scan_block"], HAS_INIT=init is not None, STORE_FINAL=store_final,
+        REVERSE=reverse, num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+    return out, (final if store_final else None)
+
+
+def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int):
+    """Per-chunk state contributions (see ``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
+    B, T, _, D = x.shape
+    Dv, m = y.shape[3], p.shape[2]
+    NT = triton.cdiv(T, cfg["BT"])
+    delta = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=x.device)
+    dz = torch.zeros(B, H, NT, m, dtype=torch.float32, device=x.device)
+    den = delta if den is None else den  # unread in the forward
+    r = delta if r is None else r
+    asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg["BV_state"]), B * H)](
+        x, p, y, den, r, delta, dz, T, H, G, D, m, Dv, NT,
+        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], BACKWARD=backward,
+        NORM=norm, PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+    return delta, dz
+
+
 def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
-    """Run the state scan: S_c, z_c before every chunk (fp32), and the final state if asked."""
+    """S_c, z_c before every chunk (fp32, [B, H, NT, m, Dv] / [B, H, NT, m]), and the final
+    state when asked."""
     B, T, _, D = k.shape
     Dv, m = v.shape[3], p_k.shape[2]
+    if cfg["scan"] == "parallel":
+        delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0)
+        states, s_final = _scan(delta, s0, cfg, False, store_final)
+        zs, z_final = _scan(dz, z0, cfg, False, store_final)
+        return states, zs, (s_final, z_final) if store_final else None
+    if cfg["scan"] != "sequential":
+        raise ValueError(f"ASA launch config: scan={cfg['scan']!r}; allowed 'parallel' or "
+                         "'sequential'")
     NT = triton.cdiv(T, cfg["BT"])
     states = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=k.device)
     zs = torch.empty(B, H, NT, m, dtype=torch.float32, device=k.device)
@@ -80,6 +124,23 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
         HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg["PREC"],
         num_warps=cfg["state_warps"], num_stages=cfg["stages"])
     return states, zs, (s_final, z_final) if store_final else None
+
+
+def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int):
+    """dS_c = Σ_{chunks > c} q'ᵀ g, dz_c = Σ_{chunks > c} q'ᵀ r: [B, H, NT, m, Dv] / [.., m]."""
+    B, T, H, D = q.shape
+    Dv, m = d_o.shape[3], p_q.shape[2]
+    if cfg["scan"] == "parallel":
+        delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm)
+        return _scan(delta, None, cfg, True, False)[0], _scan(dz, None, cfg, True, False)[0]
+    dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
+    dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
+    asa_bwd_states_kernel[(triton.cdiv(Dv, cfg["BV_state"]), B * H)](
+        q, p_q, d_o, den, r, dstates, dzs,
+        T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
+        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], NORM=norm,
+        PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+    return dstates, dzs
 
 
 def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
@@ -148,13 +209,7 @@ class ASAChunkFunction(torch.autograd.Function):
             r = r.contiguous()
         else:
             r = den  # unused by the kernels
-        dstates = torch.empty_like(states)
-        dzs = torch.empty_like(zs)
-        asa_bwd_states_kernel[(triton.cdiv(Dv, cfg["BV_state"]), B * H)](
-            q, p_q, d_o, den, r, dstates, dzs,
-            T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
-            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], NORM=norm,
-            PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+        dstates, dzs = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT)
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)

@@ -17,8 +17,9 @@ and its reads of the cache):
    running max m, sum l and unnormalised output (float32); the first part of a slot also writes
    the slot's kept score (-inf: no such candidate).
 3. ``decode_combine_kernel`` (grid: B*H): per slot, the window parts and the slot's span parts
-   merged by log-sum-exp (BLOCK_P parts at a time) into A_slot (attention over span u window), the gate softmax over the
-   kept scores, o = sum_slot gate * A_slot; no anchor at all: the window attention.
+   merged by log-sum-exp (BLOCK_P parts at a time) into A_slot (attention over span u window),
+   the gate softmax over the kept scores, o = sum_slot gate * A_slot; no anchor at all: the
+   window attention.
 
 Everything position-dependent (offsets table, #candidates, window, span extents) is integer
 arithmetic on the host (``ops.superlinear``); the offset table lives on the device once per

@@ -24,6 +24,11 @@ window keys are shared by the k pairs of a query, and since P_window,slot = P_w 
 
 Pairs are bucketed by key footprint: per head, a stable sort of the span start (ties keep query
 order), so a tile of BLOCK_M consecutive pairs reads one contiguous run of key blocks.
+
+Chunked prefill (``superlinear_prefill_kernel``, forward only) runs parts 1-3 on a chunk of
+queries at positions [start, start + C) against the keys [0, start + C): the search and window
+kernels take the query offset, the span kernel indexes query rows and key positions separately.
+The decode step has its own kernels (``decode.py``).
 """
 
 from __future__ import annotations

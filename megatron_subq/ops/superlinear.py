@@ -28,6 +28,11 @@ queries it materialises the search scores (C x #anchors), the gathered span keys
 head and chunk, never the L x L matrix. Under autograd each chunk is checkpointed (recomputed in
 backward), so training memory stays at one chunk too. ``superlinear_attention_dense`` is the
 O(L^2)-mask form of the same definition, written independently, for tests.
+
+Inference: ``superlinear_prefill`` (a chunk of queries against the cached keys of every earlier
+position) and ``superlinear_decode_step`` (one query, O(sqrt(L)) rows of the cache read; see
+``superlinear_decode_cost``) give exactly the rows of the full forward; the KV cache is the whole
+state because the search key is the ordinary key.
 """
 
 from __future__ import annotations
@@ -502,7 +507,7 @@ def _check_int(op, name, value, lo, hi):
 def _reference_rows(q, q_s, k_cache, v_cache, start, knobs, query_chunk):
     """Rows [start, start + C) of the reference forward, the keys read from the caches."""
     C, D = q.shape[1], q.shape[3]
-    plan = superlinear_plan_range(start, start + C, **knobs_without_topk(knobs), device=q.device)
+    plan = superlinear_plan_range(start, start + C, **_plan_knobs(knobs), device=q.device)
     dtype = torch.promote_types(q.dtype, torch.float32)
     qc, qsc = q.to(dtype), q_s.to(dtype)
     k, v = k_cache[:, :start + C], v_cache[:, :start + C]  # views; only gathered rows are cast
@@ -513,7 +518,7 @@ def _reference_rows(q, q_s, k_cache, v_cache, start, knobs, query_chunk):
     return torch.cat(outs, dim=1).to(q.dtype)
 
 
-def knobs_without_topk(knobs: dict) -> dict:
+def _plan_knobs(knobs: dict) -> dict:
     return {n: x for n, x in knobs.items() if n != "topk"}
 
 
