@@ -58,7 +58,8 @@ class SubqTransformerConfig(TransformerConfig):
     # ---- asa ----------------------------------------------------------------------------
     asa_rank: Optional[int] = None
     """m: the feature dimension of ASA's per-head projections P_Q, P_K (d_h x m), m < d_h
-    (default min(32, kv_channels // 2), so the default is valid for small heads too)."""
+    (default min(64, kv_channels // 2): the benchmarks' m = 64 at d_h = 128, and valid for small
+    heads too)."""
     asa_normalize: str = "linear"
     """'linear' (weights over j sum to 1), 'none' (the paper's literal product), 'mean' (/(i+1))."""
 
@@ -188,7 +189,7 @@ class SubqTransformerConfig(TransformerConfig):
         H, D, tp = self.num_attention_heads, self.kv_channels, self.tensor_model_parallel_size
         used = set(self.layer_variants)
         if "asa" in used and self.asa_rank is None:
-            self.asa_rank = max(1, min(32, D // 2))
+            self.asa_rank = max(1, min(64, D // 2))
         if "asa" in used and not self.asa_rank < D:
             _fail("asa_rank", self.asa_rank, f"an integer in [1, kv_channels={D})")
         if "sas" in used:

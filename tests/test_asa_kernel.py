@@ -9,10 +9,14 @@ reference computed in fp32 (O(T²) form) from the same (rounded) inputs — exce
 zero by the math (T = 1 with "linear": dq, dk, dp_q, dp_k), where its largest absolute value is
 held to the same bound (inputs and dO are O(1)). Bounds:
 
-* fp32 inputs: 1e-5 (fp32 arithmetic throughout; seen ≤ 5e-7 in the interpreter);
-* fp16: 3e-3 (fp16 matmul operands with fp32 accumulation; seen ≤ 6e-4);
+* fp32 inputs: 1e-5 (fp32 arithmetic throughout; seen ≤ 5e-7 in the interpreter, ≤ 1.2e-6 on
+  an H100 at T = 1000);
+* fp16: 3e-3 (fp16 matmul operands with fp32 accumulation; seen ≤ 6e-4 in both);
 * bf16: 2e-2 (bf16 operands, 8-bit mantissa; seen ≤ 4e-3 in the interpreter, whose bf16 dots
-  go through fp32 — the GPU test checks the real bf16 tensor-core path against the same bound).
+  go through fp32, and ≤ 3.9e-3 on the H100's bf16 tensor cores at T = 1000 and 4096).
+
+GPU sizes: the compiled kernels are verified (and used) for 64 < D, Dv ≤ 128 and 32 < m ≤ 128
+(``kernels/asa/function.py: kernel_supports``); the GPU test of other sizes checks the refusal.
 """
 
 import os
@@ -163,13 +167,10 @@ def test_kernel_rejects_bad_normalize():
 GPU_SHAPES = {
     "gqa": (2, 1000, 8, 2, 128, 64, 128),
     "long": (1, 4096, 4, 4, 128, 128, 128),
-    "d256": (1, 777, 4, 1, 256, 32, 64),
-    "m256": (3, 63, 2, 2, 64, 256, 64),
 }
 GPU_CASES = (  # every normalisation and dtype, without compiling every combination of them
     [("gqa", n, dt) for n in ASA_NORMALIZE_MODES for dt in ("fp32", "fp16", "bf16")]
     + [("long", n, "bf16") for n in ASA_NORMALIZE_MODES]
-    + [("d256", "linear", "bf16"), ("m256", "linear", "bf16"), ("m256", "mean", "fp16")]
 )
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -179,6 +180,20 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 def test_kernel_matches_reference_gpu(shape, normalize, dtype):
     errors = _compare(GPU_SHAPES[shape], normalize, DTYPES[dtype])
     print(f"{shape} {normalize} {dtype}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,m,Dv", [(256, 32, 64), (64, 256, 64), (128, 32, 128)])
+def test_unverified_sizes_are_refused_on_gpu(D, m, Dv):
+    """d_h = 256 / m = 32 hit an illegal memory access on an H100 (not understood yet): outside
+    the verified sizes impl='kernel' refuses and impl=None runs the reference."""
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 70, 2, 1, D, m, Dv, torch.bfloat16))
+    assert not KERNEL.kernel_supports(D, m, Dv)
+    with pytest.raises(ValueError, match="GPU-verified"):
+        ops.asa_attention(q, k, v, p_q, p_k, impl="kernel")
+    out = ops.asa_attention(q, k, v, p_q, p_k)
+    ref = ops.asa_attention(q, k, v, p_q, p_k, impl="reference")
+    torch.testing.assert_close(out, ref)
 
 
 @pytest.mark.gpu

@@ -390,6 +390,53 @@ def _time(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def report(meta: dict, results: list, plot_path: str = "") -> None:
+    """Ratios against cuDNN, the table, and optionally the plot."""
+    cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
+    for r in results:
+        base = cudnn.get(r["T"])
+        for key in ("fwd_ms", "fwd_bwd_ms"):
+            if base and base.get(key) and r.get(key):
+                r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
+
+    def fmt(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) and not math.isnan(x) else "-"
+
+    print(f"\n{meta['gpu']}  {meta['date']}  {meta['command']}")
+    print(f"{'T':>7} {'impl':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>12} "
+          f"{'x cuDNN f+b':>12} {'fwd GB/s':>9}")
+    for r in results:
+        print(f"{r['T']:>7} {r['impl']:<44} {fmt(r.get('fwd_ms'), '9.3f')} "
+              f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
+              f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
+              f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms",
+                                                                  "forward + backward")):
+            for impl in dict.fromkeys(r["impl"] for r in results):
+                pts = sorted((r["T"], r[key]) for r in results if r["impl"] == impl and r.get(key))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length T")
+            ax.set_ylabel("ms (median)")
+            ax.set_title(title)
+            ax.grid(True, which="both", alpha=0.3)
+        axes[1].legend(fontsize=7)
+        shape = meta.get("shape", {})
+        fig.suptitle(f"{meta['gpu']}, {meta['date'][:10]}, "
+                     + ", ".join(f"{k}={v}" for k, v in shape.items()), fontsize=9)
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=110)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ops", default="asa", help=f"comma list of {sorted(OP_BENCHES)}")
@@ -417,7 +464,15 @@ def main(argv=None) -> int:
                    help="comma list: keys per split-K part of the superlinear decode kernel")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--json", default="", help="write the results here")
+    p.add_argument("--plot", default="", help="write a log-log plot of time vs length (PNG)")
+    p.add_argument("--replot", default="", help="print the table and plot of a saved JSON "
+                   "(no GPU needed) instead of measuring")
     args = p.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            saved = json.load(f)
+        report(saved, saved["results"], args.plot)
+        return 0
     if not torch.cuda.is_available():
         print("bench_ops.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -466,38 +521,7 @@ def main(argv=None) -> int:
                 print(json.dumps(rec), flush=True)
             del rows
             torch.cuda.empty_cache()
-    # ratios against cuDNN (>1: faster than cuDNN)
-    cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
-    for r in results:
-        base = None if r.get("decode") else cudnn.get(r["T"])  # decode: vs dense decode below
-        for key in ("fwd_ms", "fwd_bwd_ms"):
-            if base and base.get(key) and r.get(key):
-                r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
-    print(f"\n{meta['gpu']}  {meta['date']}  {meta['command']}")
-    print(f"{'T':>7} {'impl':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} {'x cuDNN fwd':>12} "
-          f"{'x cuDNN f+b':>12} {'fwd GB/s':>9}")
-    for r in results:
-        def fmt(x, spec):
-            return format(x, spec) if isinstance(x, (int, float)) and not math.isnan(x) else "-"
-        print(f"{r['T']:>7} {r['impl']:<44} {fmt(r.get('fwd_ms'), '9.3f')} "
-              f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
-              f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
-              f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")
-    # decode rows: ratio against the fastest dense decode (SDPA over the full cache) at that T
-    dense_decode: Dict[int, float] = {}
-    for r in results:
-        if r.get("dense_decode") and r.get("fwd_ms"):
-            dense_decode[r["T"]] = min(dense_decode.get(r["T"], math.inf), r["fwd_ms"])
-    decode_rows = [r for r in results if r.get("decode") and not r.get("dense_decode")]
-    for r in decode_rows:
-        if r["T"] in dense_decode and r.get("fwd_ms"):
-            r["speedup_vs_dense_decode"] = dense_decode[r["T"]] / r["fwd_ms"]
-    if decode_rows:
-        print(f"\n{'context':>9} {'decode impl':<44} {'step ms':>9} {'x dense decode':>15}")
-        for r in decode_rows:
-            ratio = r.get("speedup_vs_dense_decode")
-            print(f"{r['T']:>9} {r['impl']:<44} {r.get('fwd_ms') or math.nan:9.4f} "
-                  f"{ratio if ratio else math.nan:15.2f}")
+    report(meta, results, args.plot)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -5,6 +5,6 @@
 ``megatron_subq.ops.asa_decode_step`` (a few fused torch ops on the (S, z) state, in place).
 """
 
-from .function import ASAChunkFunction, asa_attention_kernel
+from .function import ASAChunkFunction, asa_attention_kernel, kernel_supports
 
-__all__ = ["ASAChunkFunction", "asa_attention_kernel"]
+__all__ = ["ASAChunkFunction", "asa_attention_kernel", "kernel_supports"]

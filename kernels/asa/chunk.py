@@ -1,13 +1,18 @@
 """Triton kernels of causal ASA: chunked linear attention with the softmax feature maps fused in.
 
-Per (batch, query head), with chunks of ``BT`` tokens, ``q' = softmax(q P_Q)``, ``k' = softmax(k P_K)``
-computed in registers from q, k and the head's ``P`` (never written to HBM)::
+Per (batch, query head), with chunks of ``BT`` tokens, ``q' = softmax(q P_Q)`` and
+``k' = softmax(k P_K)`` are computed in registers from q, k and the head's ``P`` (never written
+to HBM)::
 
-    forward   states:  S_c = S_0 + Σ_{chunks < c} k'ᵀ v,   z_c = z_0 + Σ k'            (sequential in c)
-              output:  num = tril(q' k'ᵀ) v + q' S_c,        den = tril(q' k'ᵀ) 1 + q' z_c (parallel in c)
+    forward   states:  S_c = S_0 + Σ_{chunks < c} k'ᵀ v,   z_c = z_0 + Σ k'   (a scan over c)
+              output:  num = tril(q' k'ᵀ) v + q' S_c,  den = tril(q' k'ᵀ) 1 + q' z_c
                        o = num / den  (linear) | num (none) | num / (i+1) (mean)
     backward  g = dO / den, r = -(dO·o) / den (linear; r = 0 otherwise),
-              reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r       (sequential)
+              reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r
+
+The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default), or as
+one fused loop over chunks per head (``scan="sequential"``); the output and gradient kernels are
+parallel over chunks.
               per chunk:  dA = tril(g vᵀ + r 1ᵀ)
                           dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
                           dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c

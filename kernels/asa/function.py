@@ -61,6 +61,17 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     return cfg
 
 
+def kernel_supports(D: int, m: int, Dv: int) -> bool:
+    """Whether the compiled (GPU) kernels are verified for these sizes.
+
+    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6): padded D and Dv of 128 and padded
+    m of 64 or 128, i.e. 64 < D, Dv <= 128 and 32 < m <= 128. A d_h = 256 / m = 32 case hit an
+    illegal memory access there that is not understood yet, so other sizes are refused on CUDA
+    rather than risked. The interpreter (CPU) runs every size.
+    """
+    return _pow2(D) == 128 and _pow2(Dv) == 128 and _pow2(m) in (64, 128)
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -80,7 +91,7 @@ def _scan(delta, init, cfg, reverse: bool, store_final: bool):
 
 
 def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int):
-    """Per-chunk state contributions (see ``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
+    """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
     B, T, _, D = x.shape
     Dv, m = y.shape[3], p.shape[2]
     NT = triton.cdiv(T, cfg["BT"])
@@ -112,8 +123,10 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
     NT = triton.cdiv(T, cfg["BT"])
     states = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=k.device)
     zs = torch.empty(B, H, NT, m, dtype=torch.float32, device=k.device)
-    s_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=k.device) if store_final else states
-    z_final = torch.empty(B, H, m, dtype=torch.float32, device=k.device) if store_final else zs
+    s_final, z_final = states, zs  # unwritten unless store_final
+    if store_final:
+        s_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=k.device)
+        z_final = torch.empty(B, H, m, dtype=torch.float32, device=k.device)
     has_s0 = s0 is not None
     grid = (triton.cdiv(Dv, cfg["BV_state"]), B * H)
     asa_fwd_states_kernel[grid](
@@ -245,6 +258,11 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     """
     from megatron_subq.ops.asa import ASAState  # noqa: PLC0415 (ops imports us lazily)
 
+    if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
+        raise ValueError(
+            f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
+            f"Dv={v.shape[3]} are outside the GPU-verified sizes (64 < D, Dv <= 128, "
+            "32 < m <= 128); use impl='reference' or impl=None")
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")

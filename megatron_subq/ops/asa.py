@@ -69,7 +69,8 @@ def asa_empty_state(batch: int, heads: int, rank: int, v_dim: int, device=None,
 # ------------------------------------------------------------------------------------------
 # argument checks
 # ------------------------------------------------------------------------------------------
-def check_asa_args(op: str, q, k, v, p_q, p_k, normalize: str) -> Tuple[int, int, int, int, int, int]:
+def check_asa_args(op: str, q, k, v, p_q, p_k, normalize: str
+                   ) -> Tuple[int, int, int, int, int, int]:
     """Validate the op's arguments; return ``(B, T, H, H_kv, D, m)``."""
     B, T, H, H_kv, D = check_qkv(op, q, k, v)
     for name, p in (("p_q", p_q), ("p_k", p_k)):
@@ -216,11 +217,18 @@ def asa_decode_step(q, k, v, p_q, p_k, state: ASAState, normalize: str = "linear
 # ------------------------------------------------------------------------------------------
 # the op
 # ------------------------------------------------------------------------------------------
-def _kernel():
-    """The Triton implementation, or None when triton (or the kernel package) is missing."""
+def _kernel(q, v, p_q, impl: Optional[str]):
+    """The Triton implementation, or None when triton (or the kernel package) is missing — or,
+    for ``impl=None`` on CUDA, when the sizes are outside the kernel's GPU-verified ones (the
+    reference runs instead; ``impl="kernel"`` gets the kernel's own error)."""
     try:
-        from megatron_subq.kernels.asa import asa_attention_kernel  # noqa: PLC0415
+        from megatron_subq.kernels.asa import (  # noqa: PLC0415
+            asa_attention_kernel,
+            kernel_supports,
+        )
     except ImportError:
+        return None
+    if impl is None and q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         return None
     return asa_attention_kernel
 
@@ -234,7 +242,7 @@ def asa_attention(q, k, v, p_q, p_k, normalize: str = "linear", impl: Optional[s
     None (the kernel on CUDA when available, else the reference).
     """
     check_asa_args("asa_attention", q, k, v, p_q, p_k, normalize)
-    kernel = _kernel()
+    kernel = _kernel(q, v, p_q, impl)
     if choose_impl("asa_attention", impl, (q, k, v, p_q, p_k), kernel) == "kernel":
         return kernel(q, k, v, p_q, p_k, normalize=normalize)
     return asa_attention_chunked(q, k, v, p_q, p_k, normalize)[0]
@@ -245,7 +253,7 @@ def asa_prefill(q, k, v, p_q, p_k, normalize: str = "linear", state: Optional[AS
     """``asa_attention`` continuing from ``state`` (default: empty) and returning the final state,
     so that prefill chunks and ``asa_decode_step`` continue one another."""
     check_asa_args("asa_prefill", q, k, v, p_q, p_k, normalize)
-    kernel = _kernel()
+    kernel = _kernel(q, v, p_q, impl)
     if choose_impl("asa_prefill", impl, (q, k, v, p_q, p_k), kernel) == "kernel":
         return kernel(q, k, v, p_q, p_k, normalize=normalize, initial_state=state,
                       output_final_state=True)

@@ -35,7 +35,8 @@ class ASACoreAttention(SubqCoreAttention):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:
             raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for asa: allowed "
-                             "None (ASA's feature softmaxes are unscaled; P_Q sets the temperature)")
+                             "None (ASA's feature softmaxes are unscaled; P_Q sets the "
+                             "temperature)")
         full_shape = (config.num_attention_heads, config.kv_channels, config.asa_rank)
         std = 1.0 / math.sqrt(config.kv_channels)
         device = None
