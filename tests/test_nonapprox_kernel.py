@@ -13,12 +13,11 @@ its largest absolute value is held to the same bound (inputs and dO are O(1)). B
   H100);
 * fp16: 3e-3 (the [BT, BT] softmax weights and dO/v rounded to fp16 for the tensor-core products,
   fp32 accumulation; seen ≤ 4e-4);
-* bf16: 2e-2 (the same with bf16's 8-bit mantissa; seen ≤ 4e-3 in the interpreter and ≤ 3.2e-3
-  on an H100; the interpreter's bf16
-  dots go through fp32 — the GPU test checks the real bf16 tensor-core path against the same bound).
+* bf16: 2e-2 (the same with bf16's 8-bit mantissa; seen ≤ 4e-3 in the interpreter, whose bf16
+  dots go through fp32, and ≤ 3.2e-3 on an H100's bf16 tensor cores).
 
-Large |s| (inputs × 8: scores up to ~±150, where a plain e^{s} overflows fp32 beyond 88): against an fp64 reference, 2e-5
-(seen ≤ 6e-6: fp32 rounding of s itself is amplified by e^{s} in the gradients).
+Large |s| (inputs × 8: scores up to ~±150, where a plain e^{s} overflows fp32 beyond 88): against
+an fp64 reference, 2e-5 (seen ≤ 6e-6: fp32 rounding of s is amplified by e^{s} in the gradients).
 """
 
 import os

@@ -6,6 +6,6 @@ dispatch to for ``impl="kernel"`` (CUDA, or CPU tensors under ``TRITON_INTERPRET
 steps use ``megatron_subq.ops.approx_decode_step`` (a few torch ops on the state, in place).
 """
 
-from .function import ApproxChunkFunction, approx_attention_kernel
+from .function import ApproxChunkFunction, approx_attention_kernel, kernel_supports
 
-__all__ = ["ApproxChunkFunction", "approx_attention_kernel"]
+__all__ = ["ApproxChunkFunction", "approx_attention_kernel", "kernel_supports"]

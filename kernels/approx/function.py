@@ -28,6 +28,17 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
 
 
+def kernel_supports(D: int) -> bool:
+    """Whether the compiled (GPU) kernels are verified for head dim ``D``.
+
+    Verified on an H100 (tests/test_approx_kernel.py, Triton 3.6, 2026-11-22): D = 96 and 128 in
+    fp32/fp16/bf16. A D = 64 fp32 case failed to launch there ("Triton Error [CUDA]: out of
+    memory", i.e. its launch resources) and was not investigated, so ``impl=None`` on CUDA uses the
+    reference outside 64 < D <= 128. The interpreter (CPU) runs every size.
+    """
+    return 64 < D <= MAX_HEAD_DIM
+
+
 def _launch(D: int, dtype: torch.dtype) -> dict:
     """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
     BD = max(16, triton.next_power_of_2(D))

@@ -258,12 +258,19 @@ def approx_attention_chunked(q, k, v, eps: float = DEFAULT_EPS, chunk_size: int 
 # ---------------------------------------------------------------------------------------------
 # The op
 # ---------------------------------------------------------------------------------------------
-def _kernel():
-    """The Triton implementation (issue 6), or None when it (or triton) is missing. Its
-    signature: ``kernel(q, k, v, eps, state=None, output_final_state=False)``."""
+def _kernel(q: torch.Tensor, impl: Optional[str]):
+    """The Triton implementation, or None when triton (or the kernel package) is missing — or,
+    for ``impl=None`` on CUDA, when the head dim is outside the kernel's GPU-verified sizes (the
+    reference runs instead; ``impl="kernel"`` gets the kernel itself). Signature:
+    ``kernel(q, k, v, eps, state=None, output_final_state=False)``."""
     try:
-        from megatron_subq.kernels.approx import approx_attention_kernel  # noqa: PLC0415
+        from megatron_subq.kernels.approx import (  # noqa: PLC0415
+            approx_attention_kernel,
+            kernel_supports,
+        )
     except ImportError:
+        return None
+    if impl is None and q.is_cuda and not kernel_supports(q.shape[3]):
         return None
     return approx_attention_kernel
 
@@ -278,7 +285,7 @@ def approx_attention(q, k, v, impl: Optional[str] = None, eps: float = DEFAULT_E
     None (the kernel on CUDA when available, else the reference).
     """
     check_qkv("approx_attention", q, k, v)
-    kernel = _kernel()
+    kernel = _kernel(q, impl)
     if choose_impl("approx_attention", impl, (q, k, v), kernel) == "kernel":
         return kernel(q, k, v, eps=eps)
     return approx_attention_chunked(q, k, v, eps=eps, chunk_size=chunk_size)[0]
@@ -289,7 +296,7 @@ def approx_prefill(q, k, v, state: Optional[ApproxState] = None, impl: Optional[
     """``approx_attention`` continuing from ``state`` (default: empty) and returning the new state,
     so that prefill chunks and ``approx_decode_step`` continue one another."""
     check_qkv("approx_prefill", q, k, v)
-    kernel = _kernel()
+    kernel = _kernel(q, impl)
     if choose_impl("approx_prefill", impl, (q, k, v), kernel) == "kernel":
         return kernel(q, k, v, eps=eps, state=state, output_final_state=True)
     return approx_attention_chunked(q, k, v, eps=eps, state=state)
