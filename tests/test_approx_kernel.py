@@ -22,15 +22,13 @@ held to the bound. Bounds:
   dots go through fp32 — the GPU test checks the real bf16 tensor-core path against the same bound).
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
-
 triton = pytest.importorskip("triton")
+
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
@@ -41,38 +39,12 @@ from megatron_subq.ops.approx import (  # noqa: E402
     safe_denominator,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NAMES = ("o", "dq", "dk", "dv")
 OFFSET, SPREAD = 1.0, 0.5  # q, k ~ N(1, 0.5²) in the accuracy tests: denominators far from 0
 
 
-def _kernel_module():
-    """The kernel package, re-imported under the interpreter if it was first imported without."""
-    import importlib
+KERNEL = kernel_package("approx")
 
-    from megatron_subq.kernels.approx import chunk, function
-
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(chunk.approx_fwd_out_kernel, InterpretedFunction):
-            importlib.reload(chunk)
-            importlib.reload(function)
-            import megatron_subq.kernels.approx as pkg
-
-            importlib.reload(pkg)
-    import megatron_subq.kernels.approx as pkg
-
-    return pkg
-
-
-KERNEL = _kernel_module()
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, dtype, seed=0, offset=OFFSET, spread=SPREAD):

@@ -19,51 +19,23 @@ GPU sizes: the compiled kernels are verified (and used) for 64 < D, Dv ≤ 128 a
 (``kernels/asa/function.py: kernel_supports``); the GPU test of other sizes checks the refusal.
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
-
 triton = pytest.importorskip("triton")
+
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
 from megatron_subq.ops.asa import ASA_NORMALIZE_MODES, asa_attention_quadratic  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NAMES = ("o", "dq", "dk", "dv", "dp_q", "dp_k")
 
 
-def _kernel_module():
-    """The kernel package, re-imported under the interpreter if it was first imported without."""
-    import importlib
+KERNEL = kernel_package("asa")
 
-    from megatron_subq.kernels.asa import chunk, function
-
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(chunk.asa_fwd_out_kernel, InterpretedFunction):
-            importlib.reload(chunk)
-            importlib.reload(function)
-            import megatron_subq.kernels.asa as pkg
-
-            importlib.reload(pkg)
-    import megatron_subq.kernels.asa as pkg
-
-    return pkg
-
-
-KERNEL = _kernel_module()
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, m, Dv, dtype, seed=0, p_std=None):

@@ -20,15 +20,13 @@ Large |s| (inputs × 8: scores up to ~±150, where a plain e^{s} overflows fp32 
 an fp64 reference, 2e-5 (seen ≤ 6e-6: fp32 rounding of s is amplified by e^{s} in the gradients).
 """
 
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
-
 triton = pytest.importorskip("triton")
+
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
@@ -38,37 +36,11 @@ from megatron_subq.ops.nonapprox import (  # noqa: E402
     nonapprox_attention_quadratic,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NAMES = ("o", "dq", "dk", "dv")
 
 
-def _kernel_module():
-    """The kernel package, re-imported under the interpreter if it was first imported without."""
-    import importlib
+KERNEL = kernel_package("nonapprox")
 
-    from megatron_subq.kernels.nonapprox import chunk, function
-
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(chunk.nonapprox_fwd_out_kernel, InterpretedFunction):
-            importlib.reload(chunk)
-            importlib.reload(function)
-            import megatron_subq.kernels.nonapprox as pkg
-
-            importlib.reload(pkg)
-    import megatron_subq.kernels.nonapprox as pkg
-
-    return pkg
-
-
-KERNEL = _kernel_module()
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, dtype, seed=0, scale=1.0):

@@ -17,52 +17,24 @@ bound. Bounds:
   tensor-core path against the same bound).
 """
 
-import os
 
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
-
 triton = pytest.importorskip("triton")
+
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
 
 from megatron_subq import ops  # noqa: E402
 from megatron_subq.ops.ppa import (ppa_attention_masked, ppa_attention_reference,  # noqa: E402
                                    ppa_offsets)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NAMES = ("o", "dq", "dk", "dv")
 
 
-def _kernel_package():
-    """The kernel package, re-imported under the interpreter if it was first imported without."""
-    import importlib
+KERNEL = kernel_package("ppa")
 
-    from megatron_subq.kernels.ppa import function, kernels
-
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(kernels.ppa_fwd_kernel, InterpretedFunction):
-            importlib.reload(kernels)
-            importlib.reload(function)
-            import megatron_subq.kernels.ppa as pkg
-
-            importlib.reload(pkg)
-    import megatron_subq.kernels.ppa as pkg
-
-    return pkg
-
-
-KERNEL = _kernel_package()
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, dtype, seed=0):

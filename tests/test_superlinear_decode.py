@@ -18,18 +18,15 @@ whole cache, against dense attention over the full cache; chunked prefill at 16K
 """
 
 import math
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # conftest sets it too, before triton is imported
-
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 first on the CPU
 
 from megatron_subq import ops  # noqa: E402
 from megatron_subq.kernels.superlinear import superlinear_decode_kernel  # noqa: E402
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, rel_rms  # noqa: E402
 from megatron_subq.ops.superlinear import (  # noqa: E402
     anchor_offsets,
     ceil_power,
@@ -39,15 +36,8 @@ from megatron_subq.ops.superlinear import (  # noqa: E402
     superlinear_window,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 ISSUE_KNOBS = dict(search_power=0.5, span_power=0.5, topk=2, backward_factor=4.0,
                    forward_factor=2.0, sw_index=32)  # issue 7's benchmark configuration
-
-
-def rel_rms(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, dtype=torch.float32, seed=0, device=DEVICE):

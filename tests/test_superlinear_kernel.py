@@ -25,10 +25,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' @triton.jit decoration
-
 triton = pytest.importorskip("triton")
+
+from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
 
 from megatron_subq import ops  # noqa: E402
 from megatron_subq.ops.superlinear import (  # noqa: E402
@@ -36,37 +35,11 @@ from megatron_subq.ops.superlinear import (  # noqa: E402
     superlinear_topk_reference,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 NAMES = ("o", "dq", "dq_s", "dk", "dv")
 
 
-def _kernel_module():
-    """The kernel package, re-imported under the interpreter if it was first imported without."""
-    import importlib
+KERNEL = kernel_package("superlinear")
 
-    from megatron_subq.kernels.superlinear import function, kernels
-
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(kernels.search_topk_kernel, InterpretedFunction):
-            importlib.reload(kernels)
-            importlib.reload(function)
-            import megatron_subq.kernels.superlinear as pkg
-
-            importlib.reload(pkg)
-    import megatron_subq.kernels.superlinear as pkg
-
-    return pkg
-
-
-KERNEL = _kernel_module()
-
-
-def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(B, T, H, H_kv, D, dtype, seed=0):

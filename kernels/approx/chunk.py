@@ -212,8 +212,6 @@ def approx_bwd_prep_kernel(
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     t0 = c * BT
-    rows = t0 + tl.arange(0, BT)
-    row_ok = rows < T
     d_cols = tl.arange(0, BD)
     base = (b * T * H + h) * D
     do = _tile(do_ptr + base, t0, T, H * D, d_cols, D, BT)

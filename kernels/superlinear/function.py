@@ -216,7 +216,6 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
         q, q_s, k, v = (x.float() for x in (q, q_s, k, v))
     q, q_s, k, v = (x.contiguous() for x in (q, q_s, k, v))
     B, T, H, D = q.shape
-    group = H // k.shape[2]
     cfg = launch_config(D, block_m, block_n)
     plan = superlinear_plan(T, search_power, span_power, backward_factor, forward_factor,
                             sw_index, device=q.device)

@@ -121,7 +121,7 @@ class SASExpansion(torch.nn.Module):
         """All weights in the paper's numbering (TP=1 only): what ``ops.sas_attention`` takes."""
         if tp_world_size() != 1:
             raise RuntimeError("paper_weights() needs the full conv_res: call it at TP=1")
-        H, Hs = self.num_heads, self.sim_heads
+        Hs = self.sim_heads
 
         def paper(t):  # [H, Ĥ/H, ...] -> [Ĥ, ...], channel g·H + h
             return None if t is None else t.transpose(0, 1).reshape((Hs,) + tuple(t.shape[2:]))

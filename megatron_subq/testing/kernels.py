@@ -1,0 +1,45 @@
+"""Shared pieces of the kernel-versus-reference tests (tests/test_*_kernel.py).
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors; ``TRITON_INTERPRET=1`` must be
+set before triton is first imported (tests/conftest.py does it), because ``@triton.jit`` decides
+at decoration time whether a kernel is compiled or interpreted.
+
+Error measure of every kernel test: relative RMS, ``‖x − ref‖₂ / ‖ref‖₂`` per output, against the
+fp32 reference computed from the same (rounded) inputs, with one bound per input dtype
+(``BOUNDS``): fp32 arithmetic throughout (1e-5), fp16 operands with fp32 accumulation (3e-3), bf16
+operands with their 8-bit mantissa (2e-2). Each test module states what it saw.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖₂ / ‖ref‖₂ in float64."""
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def kernel_package(name: str) -> ModuleType:
+    """``megatron_subq.kernels.<name>``; on the CPU, check its kernels really are interpreted."""
+    pkg = importlib.import_module(f"megatron_subq.kernels.{name}")
+    if DEVICE == "cpu":
+        from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+        for mod_name, mod in list(sys.modules.items()):
+            if mod is None or not mod_name.startswith(pkg.__name__):
+                continue
+            for obj in vars(mod).values():
+                if isinstance(obj, JITFunction):
+                    raise RuntimeError(
+                        f"{mod_name} was compiled for a GPU: set TRITON_INTERPRET=1 before triton "
+                        "is imported (tests/conftest.py does) to run the kernels on the CPU")
+    return pkg
