@@ -18,6 +18,7 @@ from megatron_subq.ops.asa import (
     asa_empty_state,
 )
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.checkpoint import assert_resharded, reshard_tp2_tp1_tp2
 
 MODES = ASA_NORMALIZE_MODES
 
@@ -231,42 +232,10 @@ def test_module_matches_op():
 # ------------------------------------------------------------------------------------------
 # checkpoints (TP=2 -> TP=1 -> TP=2) and training, in one spawned world each
 # ------------------------------------------------------------------------------------------
-def reshard_roundtrip(cfg_kwargs: dict, ckpt_dir: str) -> dict:
-    """In a 2-rank world: save at TP=2, load at TP=1 (DP=2), save at TP=1, load at TP=2.
-
-    Returns the logits before/after each reshard; equal logits prove that P_Q/P_K (and everything
-    else) are declared with the right sharding.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_subq.testing.checkpoint import checkpoint_roundtrip
-
-    def reinit(tp):
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        model_parallel_cuda_manual_seed(1234)
-
-    saved_tp2 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "save")
-    reinit(1)
-    loaded_tp1 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "load")
-    torch.manual_seed(99)  # a different model to save at TP=1
-    saved_tp1 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "save")
-    reinit(2)
-    loaded_tp2 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "load")
-    return dict(saved_tp2=saved_tp2, loaded_tp1=loaded_tp1, saved_tp1=saved_tp1,
-                loaded_tp2=loaded_tp2)
-
-
 def test_dist_checkpoint_reshards_tp2_tp1_tp2(tmp_path):
-    (tmp_path / "tp2").mkdir()
-    (tmp_path / "tp1").mkdir()
-    ranks = run_distributed(reshard_roundtrip, 2, tp=2,
-                            args=({"attention_variant": "asa", "asa_rank": 8}, str(tmp_path)))
-    for r in ranks:
-        torch.testing.assert_close(r["loaded_tp1"], r["saved_tp2"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(r["loaded_tp2"], r["saved_tp1"], rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(r["saved_tp1"], r["saved_tp2"])  # two different models
+    """P_Q/P_K (and everything else) are declared with the right sharding."""
+    assert_resharded(run_distributed(reshard_tp2_tp1_tp2, 2, tp=2, args=(
+        {"attention_variant": "asa", "asa_rank": 8}, str(tmp_path))))
 
 
 def train_tiny_asa(steps: int, normalize: str) -> list:

@@ -23,6 +23,7 @@ from megatron_subq.ops.superlinear import (
     superlinear_window,
 )
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.checkpoint import assert_resharded, reshard_tp2_tp1_tp2
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
             ffn_hidden_size=128)
@@ -396,41 +397,10 @@ def test_core_attention_matches_op():
 SUPERLINEAR = {"attention_variant": "superlinear", "superlinear_sw_index": 1}
 
 
-def reshard_roundtrip(cfg_kwargs: dict, ckpt_dir: str) -> dict:
-    """In a 2-rank world: save at TP=2, load at TP=1 (DP=2), save at TP=1, load at TP=2.
-
-    Equal logits prove that linear_qs (and everything else) is declared with the right sharding.
-    Also returns this rank's Q_s weight shape at TP=2.
-    """
-    import os
-
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from megatron_subq.testing.checkpoint import checkpoint_roundtrip
-
-    def reinit(tp):
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        model_parallel_cuda_manual_seed(1234)
-
-    saved_tp2 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "save")
-    reinit(1)
-    loaded_tp1 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "load")
-    torch.manual_seed(99)  # a different model to save at TP=1
-    saved_tp1 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "save")
-    reinit(2)
-    loaded_tp2 = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "load")
-    return dict(saved_tp2=saved_tp2, loaded_tp1=loaded_tp1, saved_tp1=saved_tp1,
-                loaded_tp2=loaded_tp2)
-
-
 def test_dist_checkpoint_reshards_tp2_tp1_tp2(tmp_path):
-    ranks = run_distributed(reshard_roundtrip, 2, tp=2, args=(SUPERLINEAR, str(tmp_path)))
-    for r in ranks:
-        torch.testing.assert_close(r["loaded_tp1"], r["saved_tp2"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(r["loaded_tp2"], r["saved_tp1"], rtol=1e-5, atol=1e-5)
-        assert not torch.allclose(r["saved_tp1"], r["saved_tp2"])  # two different models
+    """linear_qs (and everything else) is declared with the right sharding."""
+    assert_resharded(run_distributed(reshard_tp2_tp1_tp2, 2, tp=2, args=(SUPERLINEAR,
+                                                                         str(tmp_path))))
 
 
 def module_and_training(steps: int) -> dict:

@@ -44,3 +44,35 @@ def checkpoint_roundtrip(cfg_kwargs: dict, ckpt_dir: str, action: str, vocab: in
     with torch.no_grad():
         logits = model(tokens, pos, None)
         return gather_from_tensor_model_parallel_region(logits)
+
+
+def reinit_tensor_parallel(tp: int, seed: int = 1234) -> None:
+    """Switch the current world to TP=``tp`` (the rest data-parallel) between two model builds."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def reshard_tp2_tp1_tp2(cfg_kwargs: dict, ckpt_dir: str) -> dict:
+    """In a 2-rank world: save at TP=2, load at TP=1 (DP=2), save another model at TP=1, load it
+    at TP=2. Returns the four logits; a test asserts ``loaded_tp1 == saved_tp2`` and
+    ``loaded_tp2 == saved_tp1`` (and that the two saved models differ)."""
+    reinit_tensor_parallel(2)
+    out = {"saved_tp2": checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "save")}
+    reinit_tensor_parallel(1)
+    out["loaded_tp1"] = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp2"), "load")
+    torch.manual_seed(99)  # a different model to save at TP=1
+    out["saved_tp1"] = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "save")
+    reinit_tensor_parallel(2)
+    out["loaded_tp2"] = checkpoint_roundtrip(cfg_kwargs, os.path.join(ckpt_dir, "tp1"), "load")
+    return out
+
+
+def assert_resharded(ranks: list) -> None:
+    """The checks on ``reshard_tp2_tp1_tp2``'s per-rank results."""
+    for r in ranks:
+        torch.testing.assert_close(r["loaded_tp1"], r["saved_tp2"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["loaded_tp2"], r["saved_tp1"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(r["saved_tp1"], r["saved_tp2"]), "the two saved models differ"
