@@ -240,26 +240,12 @@ def test_dist_checkpoint_reshards_tp2_tp1_tp2(tmp_path):
 
 def train_tiny_asa(steps: int, normalize: str) -> list:
     """A tiny asa GPT trained with Adam on a fixed batch of a learnable sequence; the losses."""
-    from megatron_subq.testing.equivalence import TINY
+    from megatron_subq.testing.equivalence import TINY, fit_repeating_batch
 
     cfg = subq.SubqTransformerConfig(**{**TINY, "attention_variant": "asa",
                                         "asa_normalize": normalize})
-    model = subq.build_gpt_model(cfg, vocab_size=64, max_sequence_length=32)
-    # sequences that only an attention layer can predict: a random prefix that repeats
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 64, (4, 8), generator=g)
-    seq = torch.cat([prefix] * 5, dim=1)[:, :33]
-    tokens, labels = seq[:, :-1], seq[:, 1:]
-    pos = torch.arange(32).expand(4, 32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(tokens, pos, None, labels=labels).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return fit_repeating_batch(subq.build_gpt_model(cfg, vocab_size=64, max_sequence_length=32),
+                               steps)
 
 
 def test_tiny_gpt_trains_with_falling_loss():

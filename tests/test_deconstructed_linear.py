@@ -25,6 +25,7 @@ from megatron_subq.ops.nonapprox import (
     token_scores,
 )
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.equivalence import fit_repeating_batch, repeating_batch
 
 
 def _qkv(B, T, H, H_kv, D, dtype=torch.float64, seed=0, positive=False):
@@ -300,13 +301,6 @@ PAPER_500M = dict(num_layers=1, hidden_size=896, num_attention_heads=14, num_que
                   ffn_hidden_size=4864)
 
 
-def _repeating_batch():
-    """Sequences only a token-mixing layer can predict: a random prefix of 8 that repeats."""
-    g = torch.Generator().manual_seed(0)
-    seq = torch.cat([torch.randint(0, 64, (4, 8), generator=g)] * 5, dim=1)[:, :33]
-    return seq[:, :-1], seq[:, 1:], torch.arange(32).expand(4, 32)
-
-
 def _attention_block(cfg, variant):
     from megatron.core.transformer.spec_utils import build_module
 
@@ -356,21 +350,14 @@ def model_checks(train_steps: int) -> dict:
         out[f"rope_{variant}"] = (with_rope.detach(), without.detach())
 
     # 2-layer hybrids learn; then the skip ablation on the trained weights
-    tokens, labels, pos = _repeating_batch()
+    tokens, _, pos = repeating_batch()
     out["losses"], out["skip"] = {}, {}
     for name in ("mlp", "approx", "nonapprox"):
         torch.manual_seed(0)
         kwargs = {**TINY, "attention_variant": name, "layer_pattern": "hybrid"}
         model = subq.build_gpt_model(subq.SubqTransformerConfig(**kwargs), vocab_size=64,
                                      max_sequence_length=32)
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        out["losses"][name] = []
-        for _ in range(train_steps):
-            opt.zero_grad()
-            loss = model(tokens, pos, None, labels=labels).mean()
-            loss.backward()
-            opt.step()
-            out["losses"][name].append(loss.item())
+        out["losses"][name] = fit_repeating_batch(model, train_steps)
 
         trained = model.state_dict()
         skipped = subq.build_gpt_model(

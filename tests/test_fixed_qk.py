@@ -25,8 +25,8 @@ import megatron_subq as subq
 from megatron_subq import ops
 from megatron_subq.model import StreamLayout, stream_layout
 from megatron_subq.testing import run_distributed
-from megatron_subq.testing.equivalence import (TINY, make_batch, tiny_gpt_pipeline_losses,
-                                               tiny_gpt_step)
+from megatron_subq.testing.equivalence import (TINY, fit_repeating_batch, make_batch,
+                                               tiny_gpt_pipeline_losses, tiny_gpt_step)
 from megatron_subq.variants.fixed_seq_qk import load_fixed_tokens
 
 TOKENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fixed_qk_tokens.txt")
@@ -425,11 +425,6 @@ def test_length_and_vocab_errors(semantics):
 # ------------------------------------------------------------------------------------------
 def train_hybrids(steps: int) -> dict:
     """A 2-layer hybrid (variant, standard) of each variant, Adam on a repeating sequence."""
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 64, (4, 8), generator=g)
-    seq = torch.cat([prefix] * 5, dim=1)[:, :33]
-    tokens, labels = seq[:, :-1], seq[:, 1:]
-    pos = torch.arange(32).expand(4, 32)
     losses = {}
     for name in ("rnd_emb_qk", "fixed_seq_qk", "static_emb_qk"):
         torch.manual_seed(0)
@@ -437,14 +432,7 @@ def train_hybrids(steps: int) -> dict:
                                             "layer_pattern": "hybrid",
                                             "fixed_qk_tokens_file": TOKENS})
         model = subq.build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=32)
-        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-        losses[name] = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = model(tokens, pos, None, labels=labels).mean()
-            loss.backward()
-            opt.step()
-            losses[name].append(loss.item())
+        losses[name] = fit_repeating_batch(model, steps)
     return losses
 
 

@@ -12,7 +12,7 @@ from megatron_subq.ops.powers import floor_power
 from megatron_subq.ops.ppa import (default_chunk_size, ppa_attention_masked,
                                    ppa_attention_reference, ppa_far_offsets, ppa_mask)
 from megatron_subq.testing import run_distributed
-from megatron_subq.testing.equivalence import TINY
+from megatron_subq.testing.equivalence import TINY, fit_repeating_batch
 
 MAX_OFFSET = 10**6
 
@@ -258,19 +258,7 @@ def train_tiny_ppa_gpt(steps: int) -> list:
     config = SubqTransformerConfig(**{**TINY, "attention_variant": "ppa", "ppa_power": 0.5,
                                       "ppa_window": 3})
     model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, vocab, (4, seq + 1), generator=g)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    pos = torch.arange(seq).expand(4, seq)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(inputs, pos, None, labels=labels).float().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return fit_repeating_batch(model, steps, vocab=vocab, seq=seq)
 
 
 def test_tiny_ppa_gpt_trains():

@@ -357,7 +357,7 @@ def test_checkpoint_reshards_tp2_tp1_tp2(two_ranks):
 def one_rank_world(steps: int) -> dict:
     """TP=1: (a) a sas GPT with identity expansions equals the standard GPT with the same other
     weights, and adds exactly the cores' parameters; (b) a tiny sas GPT trains."""
-    from megatron_subq.testing.equivalence import TINY, make_batch
+    from megatron_subq.testing.equivalence import TINY, fit_repeating_batch, make_batch
 
     out = {}
     cfg = subq.SubqTransformerConfig(**{**TINY, "attention_variant": "sas", "sas_heads": 4,
@@ -388,18 +388,7 @@ def one_rank_world(steps: int) -> dict:
     cfg = subq.SubqTransformerConfig(**{**TINY, "attention_variant": "sas", "sas_heads": 8,
                                         "sas_head_dim": 24, "sas_kernel": 3})
     model = subq.build_gpt_model(cfg, vocab_size=64, max_sequence_length=32)
-    g = torch.Generator().manual_seed(0)
-    seq = torch.randint(0, 64, (4, 8), generator=g).repeat(1, 5)[:, :33]
-    tokens, labels, pos = seq[:, :-1], seq[:, 1:], torch.arange(32).expand(4, 32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(tokens, pos, None, labels=labels).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    out["losses"] = losses
+    out["losses"] = fit_repeating_batch(model, steps)
     return out
 
 

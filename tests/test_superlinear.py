@@ -412,7 +412,7 @@ def module_and_training(steps: int) -> dict:
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_subq.specs import get_backend
-    from megatron_subq.testing.equivalence import TINY
+    from megatron_subq.testing.equivalence import TINY, fit_repeating_batch
     from megatron_subq.variants.superlinear import SuperlinearSelfAttention, attention_spec
 
     cfg = subq.SubqTransformerConfig(**{**TINY, **SUPERLINEAR, "superlinear_topk": 3})
@@ -437,19 +437,7 @@ def module_and_training(steps: int) -> dict:
 
     model = subq.build_gpt_model(subq.SubqTransformerConfig(**{**TINY, **SUPERLINEAR}),
                                  vocab_size=64, max_sequence_length=32)
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, 64, (4, 8), generator=g)
-    seq = torch.cat([prefix] * 5, dim=1)[:, :33]  # a random prefix that repeats
-    tokens, labels = seq[:, :-1], seq[:, 1:]
-    pos = torch.arange(32).expand(4, 32)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = model(tokens, pos, None, labels=labels).mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = fit_repeating_batch(model, steps)
     return dict(module_error=module_error, qs_grad=qs_grad, losses=losses,
                 qs_shape=tuple(attn.linear_qs.weight.shape))
 

@@ -133,3 +133,29 @@ def tiny_gpt_pipeline_losses(cfg_kwargs: dict, vocab: int = 128, micro_batch: in
         num_microbatches=num_microbatches, seq_length=seq, micro_batch_size=micro_batch,
         forward_only=False)
     return [d["loss"] for d in losses] if losses else []
+
+
+def repeating_batch(vocab: int = 64, batch: int = 4, seq: int = 32, period: int = 8, seed: int = 0):
+    """(tokens, labels, position_ids) of random ``period``-token prefixes repeated along the
+    sequence: after the first period only token mixing (attention) can predict the next token."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (batch, period), generator=g)
+    full = prefix.repeat(1, seq // period + 1)[:, :seq + 1]
+    pos = torch.arange(seq).expand(batch, seq).contiguous()
+    return full[:, :-1].contiguous(), full[:, 1:].contiguous(), pos
+
+
+def fit_repeating_batch(model: torch.nn.Module, steps: int, lr: float = 3e-3, **batch_kwargs) -> list:
+    """Train ``model`` with Adam on one ``repeating_batch`` for ``steps`` steps; the losses.
+
+    The training smoke test of every variant: a working variant drives the loss far down."""
+    tokens, labels, pos = repeating_batch(**batch_kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(tokens, pos, None, labels=labels).float().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
