@@ -34,7 +34,7 @@ from .variants import VARIANTS, SpecBackend
 from .variants.standard import SDPACoreAttention
 
 try:  # Transformer Engine is an optional accelerator
-    import transformer_engine  # noqa: F401
+    import transformer_engine  # noqa: F401  (availability probe)
 
     from megatron.core.extensions.transformer_engine import (
         TEColumnParallelLinear,

@@ -138,3 +138,16 @@ def test_quickstart_trains_with_falling_loss():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     first, last = out.stdout.strip().splitlines()[-1].split()[1::2]
     assert float(last) < float(first) - 0.5, out.stdout
+
+
+def test_integer_root_is_exact_for_huge_arguments():
+    """floor(x^p) stays exact (and fast) where floats cannot: 2^1000-sized powers, b up to 1000."""
+    from megatron_subq.ops.powers import floor_power, integer_root
+
+    for b in (2, 3, 7, 1000):
+        for r in (3, 10**20 + 7, 2**333 + 1):
+            for n in (r**b - 1, r**b, r**b + 1):
+                x = integer_root(n, b)
+                assert x**b <= n < (x + 1) ** b
+    assert floor_power(10**5, 999 / 1000) == 98855  # 10^(4.995) = 98855.3
+    assert floor_power(1000, 1 / 3) == 10 and floor_power(9, 0.5) == 3 and floor_power(8, 0.5) == 2

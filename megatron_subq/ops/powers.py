@@ -26,7 +26,15 @@ def integer_root(n: int, b: int) -> int:
         raise ValueError(f"integer_root needs n >= 0 and b >= 1, got n={n}, b={b}")
     if n < 2 or b == 1:
         return n
-    r = int(round(float(n) ** (1.0 / b))) if n < 2**1000 else 1 << (n.bit_length() // b)
+    if n < 2**52:  # a float guess is within one of the root here
+        r = int(round(float(n) ** (1.0 / b)))
+    else:  # integer Newton from above: the iterates fall monotonically to floor(n^(1/b))
+        r = 1 << -(-n.bit_length() // b)
+        while True:
+            nxt = ((b - 1) * r + n // r ** (b - 1)) // b
+            if nxt >= r:
+                break
+            r = nxt
     while r**b > n:
         r -= 1
     while (r + 1) ** b <= n:

@@ -34,16 +34,11 @@ def _standard_core(cfg, L: int) -> float:
 
 def ppa_pairs(L: int, power: float, window: int) -> int:
     """Pairs attended by PPA: the dense window (offsets 0..w) plus offsets j > w in S_p."""
-    from ..ops.powers import floor_power  # noqa: PLC0415
+    from ..ops.ppa import ppa_offsets  # noqa: PLC0415
 
     dense = int(np.minimum(np.arange(L), window).sum()) + L
-    sparse = 0
-    prev = floor_power(window, power) if window > 0 else floor_power(0, power)
-    for j in range(window + 1, L):
-        cur = floor_power(j, power)
-        if cur - prev == 1:  # offset j is in S_p
-            sparse += L - j  # queries i >= j see key i - j
-        prev = cur
+    # queries i >= j see key i - j through offset j
+    sparse = sum(L - j for j in ppa_offsets(power, L - 1) if j > window) if L > 1 else 0
     return dense + sparse
 
 
