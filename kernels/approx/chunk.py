@@ -36,26 +36,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common import operand as _operand, tile as _tile
+
 INV_SQRT2 = tl.constexpr(0.7071067811865476)  # jit globals must be constexpr
 SQRT2 = tl.constexpr(1.4142135623730951)
-
-
-@triton.jit
-def _operand(x, like_ptr, DOT_F32: tl.constexpr):
-    """x cast to the matmul operand dtype: the input's (tensor cores) or fp32 in the interpreter."""
-    if DOT_F32:
-        return x.to(tl.float32)
-    else:
-        return x.to(like_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
-    """``[BT, len(cols)]`` fp32 rows t0.. of a ``[T, ...]`` slice (zeros outside)."""
-    rows = t0 + tl.arange(0, BT)
-    mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0).to(
-        tl.float32)
 
 
 @triton.jit

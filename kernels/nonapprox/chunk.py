@@ -33,34 +33,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..common import operand as _operand, tile_raw as _tile_raw, tile as _tile
+
 
 @triton.jit
 def _silu(x):
     return x * tl.sigmoid(x)
-
-
-@triton.jit
-def _operand(x, like_ptr, DOT_F32: tl.constexpr):
-    """x cast to the matmul operand dtype: the input's (tensor cores) or fp32 in the interpreter."""
-    if DOT_F32:
-        return x.to(tl.float32)
-    else:
-        return x.to(like_ptr.dtype.element_ty)
-
-
-@triton.jit
-def _tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
-    """``[BT, len(cols)]`` rows t0.. of a ``[T, ...]`` slice with row stride ``row_stride``, in the
-    stored dtype (zeros outside)."""
-    rows = t0 + tl.arange(0, BT)
-    mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
-    """``_tile_raw`` in fp32."""
-    return _tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT).to(tl.float32)
 
 
 # ------------------------------------------------------------------------------------------

@@ -1,0 +1,29 @@
+"""Triton helpers shared by the chunked kernels (tile loads, matmul operand casts)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def operand(x, like_ptr, DOT_F32: tl.constexpr):
+    """x cast to the matmul operand dtype: the input's (tensor cores), or fp32 where the
+    interpreter's bf16 ``tl.dot`` is wrong (``DOT_F32``)."""
+    if DOT_F32:
+        return x.to(tl.float32)
+    else:
+        return x.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
+def tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
+    """``[BT, len(cols)]`` rows t0.. of a ``[T, ...]`` slice with row stride ``row_stride``, in the
+    stored dtype (zeros outside)."""
+    rows = t0 + tl.arange(0, BT)
+    mask = (rows[:, None] < T) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * row_stride + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def tile(ptr, t0, T, row_stride, cols, n_cols, BT: tl.constexpr):
+    """``tile_raw`` in fp32."""
+    return tile_raw(ptr, t0, T, row_stride, cols, n_cols, BT).to(tl.float32)
