@@ -178,6 +178,63 @@ def test_bad_state_and_decode_arguments():
 
 
 # ------------------------------------------------------------------------------------------
+# packed variable-length sequences (cu_seqlens)
+# ------------------------------------------------------------------------------------------
+# sequence lengths 1, 0 (empty), 6, 1, 5 (chunk-crossing sequences: tests/test_asa_kernel.py)
+PACKED_BOUNDS = [0, 1, 1, 7, 8, 13]
+
+
+@pytest.mark.parametrize("normalize", MODES)
+def test_packed_sequences_equal_separate_runs(normalize):
+    """Packed (B = 1, cu_seqlens) == every sequence run alone (the O(T²) form), concatenated:
+    outputs and all five gradients — no state or "mean" count leaks across a boundary."""
+    args = [t.requires_grad_() for t in _inputs(B=1, T=PACKED_BOUNDS[-1], H=4, H_kv=2)]
+    cu_seqlens = torch.tensor(PACKED_BOUNDS, dtype=torch.int32)
+    packed = ops.asa_attention(*args, normalize=normalize, impl="reference",
+                               cu_seqlens=cu_seqlens)
+    q, k, v, p_q, p_k = args
+    separate = torch.cat([asa_attention_quadratic(q[:, a:b], k[:, a:b], v[:, a:b], p_q, p_k,
+                                                  normalize)
+                          for a, b in zip(PACKED_BOUNDS, PACKED_BOUNDS[1:]) if b > a], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-10, atol=1e-10)
+    d_out = torch.randn(packed.shape, dtype=packed.dtype,
+                        generator=torch.Generator().manual_seed(3))
+    for got, want in zip(torch.autograd.grad(packed, args, d_out),
+                         torch.autograd.grad(separate, args, d_out)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    # and packing matters: the unpacked run differs from the second sequence on
+    whole = ops.asa_attention(*args, normalize=normalize, impl="reference")
+    torch.testing.assert_close(whole[:, :1], packed[:, :1])
+    assert not torch.allclose(whole[:, 1:], packed[:, 1:])
+
+
+def test_single_packed_sequence_is_the_plain_op():
+    args = _inputs(B=1, T=13)
+    for dtype in (torch.int32, torch.int64):
+        torch.testing.assert_close(
+            ops.asa_attention(*args, cu_seqlens=torch.tensor([0, 13], dtype=dtype)),
+            ops.asa_attention(*args))
+
+
+@pytest.mark.parametrize("cu_seqlens,needle", [
+    ([0, 5, 13], "B = 1"),  # with the B = 2 inputs below
+    (torch.tensor([0.0, 13.0]), "1-D int32/int64"),
+    (torch.tensor([[0, 13]]), "1-D int32/int64"),
+    (torch.tensor([13]), "1-D int32/int64"),
+    (torch.tensor([1, 13]), "start at 0"),
+    (torch.tensor([0, 12]), "end at T=13"),
+    (torch.tensor([0, 8, 5, 13]), "never decrease"),
+])
+def test_bad_cu_seqlens_name_the_argument(cu_seqlens, needle):
+    B = 2 if isinstance(cu_seqlens, list) else 1
+    if isinstance(cu_seqlens, list):
+        cu_seqlens = torch.tensor(cu_seqlens)
+    with pytest.raises(ValueError, match=needle) as err:
+        ops.asa_attention(*_inputs(B=B, T=13, dtype=torch.float32), cu_seqlens=cu_seqlens)
+    assert "cu_seqlens" in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------
 # config and module
 # ------------------------------------------------------------------------------------------
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,

@@ -138,6 +138,49 @@ def test_kernel_rejects_bad_normalize():
         KERNEL.asa_attention_kernel(q, k, v, p_q, p_k, normalize="softmax")
 
 
+# packed sequences around the 64-token chunk: lengths 1, 65 (two chunks), 0, 64 (exactly one),
+# 1, 9 — so chunks start mid-tile, stop short of it and sequences of one token sit between
+PACKED_BOUNDS = [0, 1, 66, 66, 130, 131, 140]
+
+
+def _compare_packed(normalize, dtype, bounds=PACKED_BOUNDS, sizes=(2, 1, 16, 8, 16)):
+    """Kernel on packed sequences (cu_seqlens) vs the fp32 reference run on each sequence alone,
+    concatenated: output and every gradient, relative RMS within BOUNDS[dtype]."""
+    H, H_kv, D, m, Dv = sizes
+    if DEVICE == "cuda" and not KERNEL.kernel_supports(D, m, Dv):
+        pytest.skip("sizes outside the GPU-verified ones (the interpreter covers them on CPU)")
+    args = _inputs(1, bounds[-1], H, H_kv, D, m, Dv, dtype=dtype, seed=2)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
+    out = ops.asa_attention(*args, normalize=normalize, impl="kernel", cu_seqlens=cu_seqlens)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out)
+    grads = torch.autograd.grad(out, args, d_out)
+    q, k, v, p_q, p_k = [a.detach().float().requires_grad_() for a in args]
+    ref = torch.cat([asa_attention_quadratic(q[:, a:b], k[:, a:b], v[:, a:b], p_q, p_k,
+                                             normalize)
+                     for a, b in zip(bounds, bounds[1:]) if b > a], dim=1)
+    ref_grads = torch.autograd.grad(ref, (q, k, v, p_q, p_k), d_out.float())
+    errors = {name: rel_rms(x, r) for name, x, r in zip(NAMES, (out,) + grads, (ref,) + ref_grads)}
+    bad = {k: v for k, v in errors.items() if not v <= BOUNDS[dtype]}
+    assert not bad, f"relative RMS above {BOUNDS[dtype]}: {bad} (all: {errors})"
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_kernel_packed_sequences_fp32(normalize):
+    _compare_packed(normalize, torch.float32)
+
+
+def test_kernel_packed_sequences_bf16():
+    _compare_packed("mean", torch.bfloat16)
+
+
+def test_kernel_packed_rejects_states():
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 8, 2, 2, 128, 64, 128, torch.float32))
+    cu_seqlens = torch.tensor([0, 3, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens cannot be combined"):
+        KERNEL.asa_attention_kernel(q, k, v, p_q, p_k, output_final_state=True,
+                                    cu_seqlens=cu_seqlens)
+
+
 # ------------------------------------------------------------------------------------------
 # GPU: large shapes, the real half-precision tensor-core paths
 # ------------------------------------------------------------------------------------------
@@ -171,6 +214,14 @@ def test_unverified_sizes_are_refused_on_gpu(D, m, Dv):
     out = ops.asa_attention(q, k, v, p_q, p_k)
     ref = ops.asa_attention(q, k, v, p_q, p_k, impl="reference")
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernel_packed_sequences_gpu(dtype):
+    """Packed sequences at the verified sizes: ragged lengths around and across chunks."""
+    _compare_packed("linear", DTYPES[dtype], bounds=[0, 1, 700, 1000, 1001, 1064, 2048],
+                    sizes=(8, 2, 128, 64, 128))
 
 
 @pytest.mark.gpu

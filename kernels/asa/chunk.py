@@ -25,6 +25,10 @@ Matmul operands are cast to the input dtype (bf16/fp16 tensor cores, or fp32 wit
 ``S_c, z_c`` (fp32, ``[B, H, NT, m, Dv]``) are written by the state kernel and read by the output
 kernel; the backward recomputes them rather than keeping them alive between passes.
 
+Packed sequences (``VARLEN``, B = 1): chunk c is row c of a host-built table (start, stop,
+seq_start, seq_stop) whose chunks never straddle a sequence boundary; tiles are masked at the
+chunk's stop, the parallel scans restart at each sequence, and "mean" counts from seq_start.
+
 Padding: D, m and Dv are padded to powers of two ≥ 16 (``tl.dot``'s minimum) with masked loads;
 padded features get logit −inf (feature value 0), padded tokens (t ≥ T) get k' = q' = 0 so they add
 nothing to any state.
@@ -61,6 +65,25 @@ def _load_p(p_ptr, h, D, M, BD: tl.constexpr, BM: tl.constexpr):
     m = tl.arange(0, BM)
     mask = (d[:, None] < D) & (m[None, :] < M)
     return tl.load(p_ptr + h * D * M + d[:, None] * M + m[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _chunk_span(chunks_ptr, c, T, BT: tl.constexpr, VARLEN: tl.constexpr):
+    """Chunk c's tokens ``[start, stop)`` and the start of its sequence.
+
+    Dense: ``[c·BT, min(c·BT + BT, T))`` of the one sequence. VARLEN (packed sequences, B = 1):
+    row c of the host-built chunk table ``[NT, 4]`` int32 (start, stop, seq_start, seq_stop);
+    chunks never straddle a sequence boundary, so masking rows ``≥ stop`` keeps every tile inside
+    one sequence."""
+    if VARLEN:
+        start = tl.load(chunks_ptr + c * 4)
+        stop = tl.load(chunks_ptr + c * 4 + 1)
+        seq_start = tl.load(chunks_ptr + c * 4 + 2)
+    else:
+        start = c * BT
+        stop = T
+        seq_start = 0
+    return start, stop, seq_start
 
 
 # ------------------------------------------------------------------------------------------
@@ -115,27 +138,28 @@ def asa_fwd_states_kernel(
 @triton.jit
 def asa_fwd_out_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, states_ptr, zs_ptr, seen_ptr, o_ptr, den_ptr,
-    T, H, G, D, M, DV, NT,
+    chunks_ptr, T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (NT, cdiv(Dv, BV), B*H): one chunk's output. NORM: 0 linear, 1 none, 2 mean.
-    o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1)."""
+    o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1, i counted from
+    the start of the token's sequence)."""
     c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
     dt = q_ptr.dtype.element_ty
-    t0 = c * BT
+    t0, t_stop, seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
     rows = t0 + tl.arange(0, BT)
-    row_mask = rows < T
+    row_mask = rows < t_stop
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, T, sqt, d_cols, D, BT).to(dt)
-    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, T, skt, d_cols, D, BT).to(dt)
-    vc = _load_rows(v_ptr + b * svb + hk * svh, t0, T, svt, v_cols, DV, BT).to(dt)
+    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, t_stop, sqt, d_cols, D, BT).to(dt)
+    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, t_stop, skt, d_cols, D, BT).to(dt)
+    vc = _load_rows(v_ptr + b * svb + hk * svh, t0, t_stop, svt, v_cols, DV, BT).to(dt)
     qf = _softmax_features(qc, _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
     kf = _softmax_features(kc, _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
     causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
@@ -153,7 +177,7 @@ def asa_fwd_out_kernel(
         den = tl.maximum(den, 1.1754943508222875e-38)
         num = num / den[:, None]
     elif NORM == 2:
-        den = tl.load(seen_ptr + pid_bh) + (rows + 1).to(tl.float32)
+        den = tl.load(seen_ptr + pid_bh) + (rows - seq_start + 1).to(tl.float32)
         num = num / den[:, None]
     else:
         den = tl.full([BT], 1.0, tl.float32)
@@ -169,11 +193,11 @@ def asa_fwd_out_kernel(
 # ------------------------------------------------------------------------------------------
 @triton.jit
 def asa_chunk_delta_kernel(
-    x_ptr, p_ptr, y_ptr, den_ptr, r_ptr, delta_ptr, dz_ptr,
+    x_ptr, p_ptr, y_ptr, den_ptr, r_ptr, delta_ptr, dz_ptr, chunks_ptr,
     T, H, G, D, M, DV, NT,
     sxb, sxt, sxh, syb, syt, syh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    BACKWARD: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr,
+    BACKWARD: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (NT, cdiv(Dv, BV), B*H): one chunk's contribution to the state, all chunks at once.
 
@@ -184,23 +208,24 @@ def asa_chunk_delta_kernel(
     b, h = pid_bh // H, pid_bh % H
     hx = h // G
     dt = x_ptr.dtype.element_ty
-    t0 = c * BT
+    t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
     rows = t0 + tl.arange(0, BT)
-    row_mask = rows < T
+    row_mask = rows < t_stop
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    xc = _load_rows(x_ptr + b * sxb + hx * sxh, t0, T, sxt, d_cols, D, BT).to(dt)
+    xc = _load_rows(x_ptr + b * sxb + hx * sxh, t0, t_stop, sxt, d_cols, D, BT).to(dt)
     f = _softmax_features(xc, _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
     if BACKWARD:
-        y = _load_rows(y_ptr + b * syb + h * syh, t0, T, syt, v_cols, DV, BT).to(tl.float32)
+        y = _load_rows(y_ptr + b * syb + h * syh, t0, t_stop, syt, v_cols, DV,
+                       BT).to(tl.float32)
         if NORM != 1:
             den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
             y = y / den[:, None]
         y = y.to(dt)
     else:
-        y = _load_rows(y_ptr + b * syb + hx * syh, t0, T, syt, v_cols, DV, BT).to(dt)
+        y = _load_rows(y_ptr + b * syb + hx * syh, t0, t_stop, syt, v_cols, DV, BT).to(dt)
     delta = tl.dot(tl.trans(f.to(dt)), y, input_precision=PREC)
     out = pid_bh * NT + c
     tl.store(delta_ptr + out * M * DV + m_idx[:, None] * DV + v_cols[None, :], delta,
@@ -217,13 +242,15 @@ def asa_chunk_delta_kernel(
 
 @triton.jit
 def asa_chunk_scan_kernel(
-    delta_ptr, out_ptr, init_ptr, final_ptr, NT, L,
+    delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, NT, L,
     BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-    REVERSE: tl.constexpr,
+    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (cdiv(L, BLOCK), B*H): exclusive prefix sums over chunks, out[c] = init + Σ_{c'<c}
     delta[c'] (REVERSE: Σ_{c'>c}); [B*H, NT, L] fp32. Only a running sum is carried from one
-    chunk to the next, so the loads stream ahead of it (unlike the fused scan's matmuls)."""
+    chunk to the next, so the loads stream ahead of it (unlike the fused scan's matmuls).
+    VARLEN: the sums restart at every sequence's first chunk (last, REVERSE), read from the
+    chunk table (``_chunk_span``); there is no init then."""
     pid_l, pid_bh = tl.program_id(0), tl.program_id(1)
     offs = pid_l * BLOCK + tl.arange(0, BLOCK)
     mask = offs < L
@@ -236,6 +263,12 @@ def asa_chunk_scan_kernel(
             c = NT - 1 - i
         else:
             c = i
+        if VARLEN:
+            if REVERSE:  # the sequence's last chunk: stop == seq_stop
+                restart = tl.load(chunks_ptr + c * 4 + 1) == tl.load(chunks_ptr + c * 4 + 3)
+            else:  # its first chunk: start == seq_start
+                restart = tl.load(chunks_ptr + c * 4) == tl.load(chunks_ptr + c * 4 + 2)
+            run = tl.where(restart, 0.0, run)
         at = (pid_bh * NT + c) * L + offs
         val = tl.load(delta_ptr + at, mask=mask, other=0.0)
         tl.store(out_ptr + at, run, mask=mask)
@@ -298,11 +331,11 @@ def asa_bwd_states_kernel(
 def asa_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
-    dx_ptr, dv_ptr, dl_ptr,
+    dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
     T, H, G, D, M, DV, NT, NV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (NT, B*H): one chunk's gradients, in two launches (fewer live registers each):
 
@@ -317,18 +350,18 @@ def asa_bwd_chunk_kernel(
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
     dt = q_ptr.dtype.element_ty
-    t0 = c * BT
+    t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
     rows = t0 + tl.arange(0, BT)
-    row_mask = rows < T
+    row_mask = rows < t_stop
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     feat_mask = m_idx < M
     q_base = q_ptr + b * sqb + h * sqh
     k_base = k_ptr + b * skb + hk * skh
-    qf = _softmax_features(_load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt),
+    qf = _softmax_features(_load_rows(q_base, t0, t_stop, sqt, d_cols, D, BT).to(dt),
                            _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
                            PREC).to(dt)
-    kf = _softmax_features(_load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt),
+    kf = _softmax_features(_load_rows(k_base, t0, t_stop, skt, d_cols, D, BT).to(dt),
                            _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
                            PREC).to(dt)
     # the key side works with transposed tiles (row = key j, column = query i), so that no
@@ -361,7 +394,7 @@ def asa_bwd_chunk_kernel(
         vmask = row_mask[:, None] & (v_cols[None, :] < DV)
         sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
         s_off = st * M * DV + m_idx[:, None] * DV + v_cols[None, :]
-        vc = _load_rows(v_base, t0, T, svt, v_cols, DV, BT).to(dt)
+        vc = _load_rows(v_base, t0, t_stop, svt, v_cols, DV, BT).to(dt)
         g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
                     other=0.0).to(tl.float32)
         if NORM != 1:
@@ -388,7 +421,7 @@ def asa_bwd_chunk_kernel(
         x_base, x_stride, p_ptr = k_base, skt, pk_ptr
     # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
     p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
-    f32 = _softmax_features(_load_rows(x_base, t0, T, x_stride, d_cols, D, BT).to(dt), p,
+    f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt), p,
                             feat_mask, row_mask, PREC)
     dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
     tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl,

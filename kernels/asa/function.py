@@ -76,46 +76,66 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _scan(delta, init, cfg, reverse: bool, store_final: bool):
-    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32); the final sum too."""
+def chunk_table(bounds: list, BT: int, device) -> torch.Tensor:
+    """Packed sequences ``bounds = [0, end_1, ..., T]`` cut into chunks of at most ``BT`` tokens
+    that never straddle a boundary: int32 ``[NT, 4]`` rows (start, stop, seq_start, seq_stop).
+
+    Built on the host (the kernels' grids need NT); a chunk table is what lets every kernel keep
+    its dense per-chunk structure while the state scans restart at each sequence."""
+    rows = [(start, min(start + BT, seq_stop), seq_start, seq_stop)
+            for seq_start, seq_stop in zip(bounds, bounds[1:])
+            for start in range(seq_start, seq_stop, BT)]
+    return torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+
+
+def _num_chunks(T: int, cfg, chunks: Optional[torch.Tensor]) -> int:
+    return triton.cdiv(T, cfg["BT"]) if chunks is None else chunks.shape[0]
+
+
+def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None):
+    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32); the final sum too.
+    With a chunk table (packed sequences) the sums restart at every sequence."""
     B, H, NT = delta.shape[:3]
     L = delta[0, 0, 0].numel()
     out = torch.empty_like(delta)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
     asa_chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
-        delta, out, init if init is not None else out, final, NT, L,
+        delta, out, init if init is not None else out, final,
+        chunks if chunks is not None else out, NT, L,
         BLOCK=cfg["scan_block"], HAS_INIT=init is not None, STORE_FINAL=store_final,
-        REVERSE=reverse, num_warps=cfg["scan_warps"], num_stages=cfg["scan_stages"])
+        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
+        num_stages=cfg["scan_stages"])
     return out, (final if store_final else None)
 
 
-def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int):
+def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None):
     """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
     B, T, _, D = x.shape
     Dv, m = y.shape[3], p.shape[2]
-    NT = triton.cdiv(T, cfg["BT"])
+    NT = _num_chunks(T, cfg, chunks)
     delta = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=x.device)
     dz = torch.zeros(B, H, NT, m, dtype=torch.float32, device=x.device)
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
     asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg["BV_state"]), B * H)](
-        x, p, y, den, r, delta, dz, T, H, G, D, m, Dv, NT,
-        x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        x, p, y, den, r, delta, dz, chunks if chunks is not None else delta, T, H, G, D, m, Dv,
+        NT, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
         BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], BACKWARD=backward,
-        NORM=norm, PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+        NORM=norm, PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["state_warps"],
+        num_stages=cfg["stages"])
     return delta, dz
 
 
-def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
+def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     """S_c, z_c before every chunk (fp32, [B, H, NT, m, Dv] / [B, H, NT, m]), and the final
-    state when asked."""
+    state when asked. Packed sequences (a chunk table) always take the parallel scan."""
     B, T, _, D = k.shape
     Dv, m = v.shape[3], p_k.shape[2]
-    if cfg["scan"] == "parallel":
-        delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0)
-        states, s_final = _scan(delta, s0, cfg, False, store_final)
-        zs, z_final = _scan(dz, z0, cfg, False, store_final)
+    if cfg["scan"] == "parallel" or chunks is not None:
+        delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0, chunks)
+        states, s_final = _scan(delta, s0, cfg, False, store_final, chunks)
+        zs, z_final = _scan(dz, z0, cfg, False, store_final, chunks)
         return states, zs, (s_final, z_final) if store_final else None
     if cfg["scan"] != "sequential":
         raise ValueError(f"ASA launch config: scan={cfg['scan']!r}; allowed 'parallel' or "
@@ -139,13 +159,15 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool):
     return states, zs, (s_final, z_final) if store_final else None
 
 
-def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int):
-    """dS_c = Σ_{chunks > c} q'ᵀ g, dz_c = Σ_{chunks > c} q'ᵀ r: [B, H, NT, m, Dv] / [.., m]."""
+def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
+    """dS_c = Σ_{chunks > c} q'ᵀ g, dz_c = Σ_{chunks > c} q'ᵀ r: [B, H, NT, m, Dv] / [.., m]
+    (chunks of the same sequence only, with a chunk table)."""
     B, T, H, D = q.shape
     Dv, m = d_o.shape[3], p_q.shape[2]
-    if cfg["scan"] == "parallel":
-        delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm)
-        return _scan(delta, None, cfg, True, False)[0], _scan(dz, None, cfg, True, False)[0]
+    if cfg["scan"] == "parallel" or chunks is not None:
+        delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
+        return (_scan(delta, None, cfg, True, False, chunks)[0],
+                _scan(dz, None, cfg, True, False, chunks)[0])
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
     dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
     asa_bwd_states_kernel[(triton.cdiv(Dv, cfg["BV_state"]), B * H)](
@@ -174,7 +196,8 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
 class ASAChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p_q, p_k, normalize: str, s0: Optional[torch.Tensor],
-                z0: Optional[torch.Tensor], output_final_state: bool):
+                z0: Optional[torch.Tensor], output_final_state: bool,
+                seq_bounds: Optional[list] = None):
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         p_q, p_k = p_q.contiguous(), p_k.contiguous()
         B, T, H, D = q.shape
@@ -182,24 +205,27 @@ class ASAChunkFunction(torch.autograd.Function):
         Dv, m = v.shape[3], p_q.shape[2]
         cfg = _launch(D, m, Dv, q.dtype)
         norm = NORM_CODES[normalize]
+        chunks = None if seq_bounds is None else chunk_table(seq_bounds, cfg["BT"], q.device)
         if s0 is not None:
             s0, z0 = s0.contiguous(), z0.contiguous()
             seen = z0.sum(dim=-1).reshape(B * H).contiguous()  # tokens before (each k' sums to 1)
         else:
             seen = torch.zeros(B * H, dtype=torch.float32, device=q.device)
-        states, zs, final = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, output_final_state)
+        states, zs, final = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, output_final_state,
+                                          chunks)
         NT = states.shape[2]
         o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         grid = (NT, triton.cdiv(Dv, cfg["BV_out"]), B * H)
         asa_fwd_out_kernel[grid](
-            q, k, v, p_q, p_k, states, zs, seen, o, den,
+            q, k, v, p_q, p_k, states, zs, seen, o, den, chunks if chunks is not None else den,
             T, H, G, D, m, Dv, NT,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=norm,
-            PREC=cfg["PREC"], num_warps=cfg["out_warps"], num_stages=cfg["stages"])
-        ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0)
+            PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["out_warps"],
+            num_stages=cfg["stages"])
+        ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks)
         ctx.cfg, ctx.norm = cfg, norm
         if final is None:
             return o, None, None
@@ -208,21 +234,21 @@ class ASAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, _d_s_final, _d_z_final):
-        q, k, v, p_q, p_k, o, den, s0, z0 = ctx.saved_tensors
+        q, k, v, p_q, p_k, o, den, s0, z0, chunks = ctx.saved_tensors
         cfg, norm = ctx.cfg, ctx.norm
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
         Dv, m = v.shape[3], p_q.shape[2]
         d_o = d_o.contiguous()
-        states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False)  # recomputed
+        states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)  # recomputed
         NT = states.shape[2]
         if norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
             r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
             r = r.contiguous()
         else:
             r = den  # unused by the kernels
-        dstates, dzs = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT)
+        dstates, dzs = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT, chunks)
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
@@ -233,12 +259,13 @@ class ASAChunkFunction(torch.autograd.Function):
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):
             asa_bwd_chunk_kernel[(NT, B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
-                dx, dv_h, dl,
+                dx, dv_h, dl, chunks if chunks is not None else den,
                 T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
                 BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
-                PREC=cfg["PREC"], SIDE=side, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+                PREC=cfg["PREC"], SIDE=side, VARLEN=chunks is not None,
+                num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
@@ -246,17 +273,22 @@ class ASAChunkFunction(torch.autograd.Function):
             dk, dv = dk_h, dv_h
         dp_q = _param_grad(q, dlq, 1, cfg).to(p_q.dtype)
         dp_k = _param_grad(k, dlk, G, cfg).to(p_k.dtype)
-        return dq, dk, dv, dp_q, dp_k, None, None, None, None
+        return dq, dk, dv, dp_q, dp_k, None, None, None, None, None
 
 
 def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_state=None,
-                         output_final_state: bool = False):
+                         output_final_state: bool = False,
+                         cu_seqlens: Optional[torch.Tensor] = None):
     """Causal ASA through the Triton kernels. Shapes as ``ops.asa_attention`` (checked there).
 
     Returns o ``[B, T, H, Dv]`` (q.dtype), or ``(o, ASAState(S, z))`` when
-    ``output_final_state``; ``initial_state`` is an ``ASAState`` (fp32) or None.
+    ``output_final_state``; ``initial_state`` is an ``ASAState`` (fp32) or None. ``cu_seqlens``
+    (B = 1, ``[0, end_1, ..., T]``): packed sequences, each with its own fresh state (not
+    combinable with initial/final states, which belong to one sequence).
     """
-    from megatron_subq.ops.asa import ASAState  # noqa: PLC0415 (ops imports us lazily)
+    from megatron_subq.ops.asa import ASAState  # noqa: PLC0415
+    from megatron_subq.ops.dispatch import check_cu_seqlens  # noqa: PLC0415
+
 
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
@@ -266,6 +298,12 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
+    seq_bounds = None
+    if cu_seqlens is not None:
+        if initial_state is not None or output_final_state:
+            raise ValueError("asa_attention_kernel: cu_seqlens cannot be combined with "
+                             "initial_state or output_final_state (states are per sequence)")
+        seq_bounds = check_cu_seqlens("asa_attention", cu_seqlens, q)
     s0 = z0 = None
     if initial_state is not None:
         s0, z0 = initial_state
@@ -277,7 +315,7 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
         # autograd casts the gradients back to bf16
         q, k, v, p_q, p_k = (x.float() for x in (q, k, v, p_q, p_k))
     o, s_t, z_t = ASAChunkFunction.apply(q, k, v, p_q, p_k, normalize, s0, z0,
-                                         bool(output_final_state))
+                                         bool(output_final_state), seq_bounds)
     o = o.to(out_dtype)
     if output_final_state:
         return o, ASAState(s_t, z_t)

@@ -25,7 +25,8 @@ import torch
 import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
-from megatron_subq.ops.ppa import _offsets_array, check_cu_seqlens, ppa_power_fraction
+from megatron_subq.ops.dispatch import check_cu_seqlens
+from megatron_subq.ops.ppa import _offsets_array, ppa_power_fraction
 
 from .kernels import ppa_bwd_dkdv_kernel, ppa_bwd_dq_kernel, ppa_fwd_kernel
 
@@ -204,5 +205,5 @@ def ppa_attention_kernel(q, k, v, power, window: int, scale: Optional[float] = N
         raise ValueError(f"ppa_attention_kernel: dense_gap={dense_gap!r} is invalid: allowed an "
                          "integer >= 0")
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q)
+        check_cu_seqlens("ppa_attention", cu_seqlens, q)
     return PPAFunction.apply(q, k, v, p, int(window), scale, dense_gap, cfg, cu_seqlens)

@@ -27,7 +27,8 @@ of tokens seen, which is the ``i + 1`` that ``"mean"`` needs when a state is con
 
 Functions (all in fp32 internally, outputs in ``q.dtype``):
 
-* ``asa_attention``            the op (``impl="reference" | "kernel" | None``);
+* ``asa_attention``            the op (``impl="reference" | "kernel" | None``; ``cu_seqlens``
+                               for packed variable-length sequences);
 * ``asa_prefill``              the op that also takes/returns a state (chunked prefill);
 * ``asa_decode_step``          one token, updates ``(S, z)`` in place;
 * ``asa_attention_chunked``    the readable chunked reference (what ``impl="reference"`` runs);
@@ -40,7 +41,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .dispatch import check_qkv, choose_impl, repeat_kv
+from .dispatch import check_cu_seqlens, check_qkv, choose_impl, repeat_kv
 
 ASA_NORMALIZE_MODES = ("linear", "none", "mean")
 REFERENCE_CHUNK = 64
@@ -233,18 +234,37 @@ def _kernel(q, v, p_q, impl: Optional[str]):
     return asa_attention_kernel
 
 
-def asa_attention(q, k, v, p_q, p_k, normalize: str = "linear", impl: Optional[str] = None
-                  ) -> torch.Tensor:
+def asa_attention_varlen_reference(q, k, v, p_q, p_k, normalize: str, bounds: list
+                                   ) -> torch.Tensor:
+    """The reference on packed sequences: every segment ``[bounds[i], bounds[i+1])`` of the
+    ``B = 1`` batch is run as its own sequence (fresh state, "mean" counting from its start)."""
+    outs = [asa_attention_chunked(q[:, a:b], k[:, a:b], v[:, a:b], p_q, p_k, normalize)[0]
+            for a, b in zip(bounds, bounds[1:]) if b > a]
+    if not outs:  # T = 0: behave exactly as the op without cu_seqlens
+        return asa_attention_chunked(q, k, v, p_q, p_k, normalize)[0]
+    return torch.cat(outs, dim=1)
+
+
+def asa_attention(q, k, v, p_q, p_k, normalize: str = "linear", impl: Optional[str] = None,
+                  cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal ASA. q: [B, T, H, D]; k, v: [B, T, H_kv, D] (GQA: H % H_kv == 0); p_q, p_k:
     [H, D, m]. Returns [B, T, H, Dv] in q.dtype.
 
     ``impl``: "reference" (chunked PyTorch, fp32), "kernel" (Triton; CUDA or TRITON_INTERPRET=1),
-    None (the kernel on CUDA when available, else the reference).
+    None (the kernel on CUDA when available, else the reference). ``cu_seqlens`` (optional,
+    B = 1): variable-length sequences packed along T, ``[0, end_1, ..., T]``; each is an
+    independent causal sequence (the state ``(S, z)`` restarts at every boundary and "mean"
+    counts from the sequence's start), so no token sees another sequence.
     """
     check_asa_args("asa_attention", q, k, v, p_q, p_k, normalize)
+    bounds = None if cu_seqlens is None else check_cu_seqlens("asa_attention", cu_seqlens, q)
     kernel = _kernel(q, v, p_q, impl)
     if choose_impl("asa_attention", impl, (q, k, v, p_q, p_k), kernel) == "kernel":
+        if bounds is not None:
+            return kernel(q, k, v, p_q, p_k, normalize=normalize, cu_seqlens=cu_seqlens)
         return kernel(q, k, v, p_q, p_k, normalize=normalize)
+    if bounds is not None:
+        return asa_attention_varlen_reference(q, k, v, p_q, p_k, normalize, bounds)
     return asa_attention_chunked(q, k, v, p_q, p_k, normalize)[0]
 
 

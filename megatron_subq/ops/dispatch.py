@@ -80,3 +80,21 @@ def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     if h_kv == n_heads:
         return x
     return x.repeat_interleave(n_heads // h_kv, dim=2)
+
+
+def check_cu_seqlens(op: str, cu_seqlens, q: torch.Tensor) -> list:
+    """Packed sequences: ``cu_seqlens`` = [0, end_1, ..., T] (int32/int64, non-decreasing), with
+    the sequences packed along T and B = 1. Returns the boundaries as a list (one host sync)."""
+    B, T = q.shape[:2]
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D int32/int64 tensor [0, end_1, ..., T] "
+                         "with at least 2 entries")
+    if B != 1:
+        raise ValueError(f"{op}: cu_seqlens needs the sequences packed along T with B = 1, "
+                         f"got B = {B}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{op}: cu_seqlens must start at 0, end at T={T} and never decrease, "
+                         f"got {bounds}")
+    return bounds

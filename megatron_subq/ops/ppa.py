@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .dispatch import check_qkv, choose_impl
+from .dispatch import check_cu_seqlens, check_qkv, choose_impl
 from .powers import MAX_DENOMINATOR, as_fraction
 
 # Query-key pairs (per batch entry and head) one chunk of the reference may hold.
@@ -269,23 +269,6 @@ def _kernel():
     return ppa_attention_kernel
 
 
-def check_cu_seqlens(cu_seqlens, q: torch.Tensor) -> torch.Tensor:
-    """Packed sequences: ``cu_seqlens`` = [0, end_1, ..., T] (int, non-decreasing), with B = 1."""
-    B, T = q.shape[:2]
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
-            or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.numel() < 2:
-        raise ValueError("ppa_attention: cu_seqlens must be a 1-D int32/int64 tensor "
-                         "[0, end_1, ..., T]")
-    if B != 1:
-        raise ValueError(f"ppa_attention: cu_seqlens needs the sequences packed along T with "
-                         f"B = 1, got B = {B}")
-    bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"ppa_attention: cu_seqlens must start at 0, end at T={T} and never "
-                         f"decrease, got {bounds}")
-    return cu_seqlens
-
-
 def _per_sequence(fn, q, k, v, cu_seqlens, *args, **kwargs):
     """Apply ``fn`` to every packed sequence of ``cu_seqlens`` separately (B = 1)."""
     bounds = cu_seqlens.tolist()
@@ -308,7 +291,7 @@ def ppa_attention(q, k, v, power, window: int, impl: Optional[str] = None,
     ppa_power_fraction(power)
     _check_window(window)
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q)
+        check_cu_seqlens("ppa_attention", cu_seqlens, q)
     kernel = _kernel()
     if choose_impl("ppa_attention", impl, (q, k, v), kernel) == "kernel":
         return kernel(q, k, v, power, window, scale=scale, cu_seqlens=cu_seqlens)
