@@ -211,7 +211,9 @@ def superlinear_plan_range(first: int, stop: int, search_power: float = 0.5,
 # ---------------------------------------------------------------------------------------------
 # argument checks
 # ---------------------------------------------------------------------------------------------
-def _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index):
+def _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
+                 sw_index) -> dict:
+    """Validate the knobs (ValueError naming the knob); return them as keyword arguments."""
     def bad(name, value, allowed):
         raise ValueError(f"{op}: {name}={value!r} is invalid: allowed {allowed}")
 
@@ -230,6 +232,8 @@ def _check_knobs(op, search_power, span_power, topk, backward_factor, forward_fa
         bad("forward_factor", forward_factor, "a number >= 0")
     if not isinstance(sw_index, int) or isinstance(sw_index, bool) or sw_index < 0:
         bad("sw_index", sw_index, "an integer >= 0")
+    return dict(search_power=search_power, span_power=span_power, topk=topk,
+                backward_factor=backward_factor, forward_factor=forward_factor, sw_index=sw_index)
 
 
 def _check_inputs(op, q, q_s, k, v):
@@ -445,10 +449,8 @@ def superlinear_attention(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2
     """
     op = "superlinear_attention"
     _check_inputs(op, q, q_s, k, v)
-    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
-    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
-                 backward_factor=backward_factor, forward_factor=forward_factor,
-                 sw_index=sw_index)
+    knobs = _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
+                         sw_index)
     kernel = _kernel()
     if choose_impl(op, impl, (q, q_s, k, v), kernel) == "kernel":
         return kernel(q, q_s, k, v, **knobs)
@@ -557,10 +559,8 @@ def superlinear_prefill(q, q_s, k_cache, v_cache, start: Optional[int] = None,
                          "(the cache must include this chunk's keys)")
     start = L - C if start is None else start
     _check_int(op, "start", start, 0, L - C)
-    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
-    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
-                 backward_factor=backward_factor, forward_factor=forward_factor,
-                 sw_index=sw_index)
+    knobs = _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
+                         sw_index)
     kernel = _prefill_kernel()
     if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
         return kernel(q, q_s, k_cache, v_cache, start, **knobs)
@@ -608,10 +608,8 @@ def superlinear_decode_step(q, q_s, k_cache, v_cache, length: Optional[int] = No
                                        "[B, H, D]")
     length = L if length is None else length
     _check_int(op, "length", length, 1, L)
-    _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor, sw_index)
-    knobs = dict(search_power=search_power, span_power=span_power, topk=topk,
-                 backward_factor=backward_factor, forward_factor=forward_factor,
-                 sw_index=sw_index)
+    knobs = _check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
+                         sw_index)
     kernel = _decode_kernel()
     if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
         return kernel(q, q_s, k_cache, v_cache, length, **knobs)

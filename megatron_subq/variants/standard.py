@@ -25,17 +25,22 @@ class SDPACoreAttention(SubqCoreAttention):
                                   impl=self.config.subq_impl)
 
 
-def self_attention_spec(core_attention: type, backend: SpecBackend) -> ModuleSpec:
-    """megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel output) around a core."""
+def self_attention_spec(core_attention: type, backend: SpecBackend, module: type = SelfAttention,
+                        submodules: type = SelfAttentionSubmodules, **extra) -> ModuleSpec:
+    """megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel output) around a core.
+
+    A variant with projections of its own passes its ``SelfAttention`` subclass, its submodules
+    dataclass and the extra submodules (Superlinear: ``linear_qs``)."""
     return ModuleSpec(
-        module=SelfAttention,
+        module=module,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
+        submodules=submodules(
             linear_qkv=backend.column_parallel_linear,
             core_attention=core_attention,
             linear_proj=backend.row_parallel_linear,
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
+            **extra,
         ),
     )
 

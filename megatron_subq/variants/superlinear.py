@@ -32,12 +32,12 @@ from typing import Optional, Union
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..attention import SubqCoreAttention
 from ..ops import superlinear_attention
 from .base import SpecBackend, Variant
+from .standard import self_attention_spec
 
 
 def superlinear_knobs(config) -> dict:
@@ -159,18 +159,9 @@ class SuperlinearSelfAttention(SelfAttention):
 
 
 def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpec:
-    return ModuleSpec(
-        module=SuperlinearSelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SuperlinearSelfAttentionSubmodules(
-            linear_qkv=backend.column_parallel_linear,
-            core_attention=SuperlinearCoreAttention,
-            linear_proj=backend.row_parallel_linear,
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
-            linear_qs=backend.column_parallel_linear,
-        ),
-    )
+    return self_attention_spec(SuperlinearCoreAttention, backend, module=SuperlinearSelfAttention,
+                               submodules=SuperlinearSelfAttentionSubmodules,
+                               linear_qs=backend.column_parallel_linear)
 
 
 def validate(config) -> None:
