@@ -8,7 +8,35 @@ Public API::
     ops                        functional [B, T, H, D] attention ops, one per variant
 """
 
+import importlib.util as _importlib_util
+import os as _os
+import sys as _sys
 import warnings as _warnings
+
+
+def _expose_source_kernels() -> None:
+    """Make ``megatron_subq.kernels`` importable from a source checkout too.
+
+    Installed (setup.py's ``package_dir``, editable or not), the top-level ``kernels/`` folder *is*
+    ``megatron_subq.kernels``. Run from a checkout without installing — the examples and tools put
+    the repository root first on ``sys.path`` — the package is this folder alone and the ops would
+    silently fall back to their PyTorch references on CUDA. Register the sibling folder under the
+    installed name instead (``kernels/__init__.py`` imports nothing, so this costs nothing)."""
+    name = __name__ + ".kernels"
+    if name in _sys.modules or _importlib_util.find_spec(name) is not None:
+        return
+    init = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))),
+                         "kernels", "__init__.py")
+    if not _os.path.isfile(init):
+        return
+    spec = _importlib_util.spec_from_file_location(
+        name, init, submodule_search_locations=[_os.path.dirname(init)])
+    module = _importlib_util.module_from_spec(spec)
+    _sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_expose_source_kernels()
 
 # megatron-core warns at import about optional accelerators (TE, apex); we say it once in docs.
 _warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

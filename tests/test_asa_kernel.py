@@ -15,7 +15,7 @@ held to the same bound (inputs and dO are O(1)). Bounds:
 * bf16: 2e-2 (bf16 operands, 8-bit mantissa; seen ≤ 4e-3 in the interpreter, whose bf16 dots
   go through fp32, and ≤ 3.9e-3 on the H100's bf16 tensor cores at T = 1000 and 4096).
 
-GPU sizes: the compiled kernels are verified (and used) for 64 < D, Dv ≤ 128 and 32 < m ≤ 128
+GPU sizes: the compiled kernels are verified (and used) for 32 < D, Dv ≤ 128 and 16 < m ≤ 128
 (``kernels/asa/function.py: kernel_supports``); the GPU test of other sizes checks the refusal.
 """
 
@@ -187,10 +187,14 @@ def test_kernel_packed_rejects_states():
 GPU_SHAPES = {
     "gqa": (2, 1000, 8, 2, 128, 64, 128),
     "long": (1, 4096, 4, 4, 128, 128, 128),
+    # the 125M recipe's head (d_h = 64, default m = 32) and m = 32 at d_h = 128
+    "d64": (2, 1000, 12, 12, 64, 32, 64),
+    "m32": (1, 1500, 4, 2, 128, 32, 128),
 }
 GPU_CASES = (  # every normalisation and dtype, without compiling every combination of them
     [("gqa", n, dt) for n in ASA_NORMALIZE_MODES for dt in ("fp32", "fp16", "bf16")]
     + [("long", n, "bf16") for n in ASA_NORMALIZE_MODES]
+    + [("d64", "linear", dt) for dt in ("fp32", "bf16")] + [("m32", "mean", "fp16")]
 )
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -203,7 +207,7 @@ def test_kernel_matches_reference_gpu(shape, normalize, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,m,Dv", [(256, 32, 64), (64, 256, 64), (128, 32, 128)])
+@pytest.mark.parametrize("D,m,Dv", [(256, 32, 64), (64, 256, 64), (32, 16, 32)])
 def test_unverified_sizes_are_refused_on_gpu(D, m, Dv):
     """d_h = 256 / m = 32 hit an illegal memory access on an H100 (not understood yet): outside
     the verified sizes impl='kernel' refuses and impl=None runs the reference."""

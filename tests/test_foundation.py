@@ -151,3 +151,26 @@ def test_integer_root_is_exact_for_huge_arguments():
                 assert x**b <= n < (x + 1) ** b
     assert floor_power(10**5, 999 / 1000) == 98855  # 10^(4.995) = 98855.3
     assert floor_power(1000, 1 / 3) == 10 and floor_power(9, 0.5) == 3 and floor_power(8, 0.5) == 2
+
+
+def test_source_checkout_finds_the_kernels(tmp_path):
+    """Run from a checkout that is not installed (the examples put the repository root first on
+    sys.path), ``megatron_subq.kernels`` must still resolve — to that checkout's ``kernels/`` — or
+    the ops silently run their references on CUDA. ``-S`` skips site's .pth files, so no
+    installed or editable copy of the project can answer instead."""
+    import site
+    import sysconfig
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for name in ("megatron_subq", "kernels"):
+        os.symlink(os.path.join(root, name), checkout / name)
+    paths = [str(checkout), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+             *site.getsitepackages()]
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; import megatron_subq.kernels.asa as a; "
+            "print(a.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code, *paths], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(checkout / "kernels" / "asa" / "__init__.py")

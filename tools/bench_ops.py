@@ -437,6 +437,30 @@ def report(meta: dict, results: list, plot_path: str = "") -> None:
         fig.savefig(plot_path, dpi=110)
 
 
+def _profile(name: str, fn, top: int = 15) -> dict:
+    """CUDA time per kernel (µs) of one call of ``fn`` after a warm-up, largest first: where a
+    row's time goes (do_bench's median also holds launch gaps and host overhead)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for ev in prof.key_averages():
+        # only CUDA activity is recorded: every event is a kernel, memcpy or memset
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us
+    ranked = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top])
+    total = sum(per_kernel.values())
+    print(f"profile {name}: {total:.0f} us of kernels in one call", flush=True)
+    for key, us in ranked.items():
+        print(f"  {us:9.1f} us  {key[:100]}", flush=True)
+    return {"total": total, **ranked}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ops", default="asa", help=f"comma list of {sorted(OP_BENCHES)}")
@@ -463,6 +487,9 @@ def main(argv=None) -> int:
     p.add_argument("--superlinear-decode-chunk", default="512",
                    help="comma list: keys per split-K part of the superlinear decode kernel")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--profile", action="store_true",
+                   help="also print each of our rows' per-kernel CUDA time of one fwd+bwd "
+                        "(torch.profiler) and store it in the JSON")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot", default="", help="write a log-log plot of time vs length (PNG)")
     p.add_argument("--replot", default="", help="print the table and plot of a saved JSON "
@@ -513,6 +540,11 @@ def main(argv=None) -> int:
                         rec[key] = None
                         rec["skipped"] = "out of memory"
                         torch.cuda.empty_cache()
+                if args.profile and build in OP_BENCHES.values():
+                    try:
+                        rec["profile_us"] = _profile(name, fwd_bwd or fwd)
+                    except Exception as e:  # noqa: BLE001 - a profiler failure must not cost the row
+                        print(f"profile of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
                 if rec.get("fwd_min_bytes") and rec.get("fwd_ms"):
                     rec["fwd_GBps_of_min_bytes"] = rec["fwd_min_bytes"] / rec["fwd_ms"] / 1e6
                 if rec.get("fwd_flops") and rec.get("fwd_ms"):

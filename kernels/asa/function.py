@@ -44,7 +44,11 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
     its latency grows with T/BT). ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
     """
-    BD, BM, BV_all = _pow2(D), _pow2(m), _pow2(Dv)
+    # compiled, the feature tile is at least 64 wide: with m padded to 32, fp16/bf16 inputs hit an
+    # illegal memory access on an H100 (Triton 3.6, 2026-11-22; fp32 was fine) — padded features
+    # cost a little compute and are masked to zero like any other padding
+    BD, BV_all = _pow2(D), _pow2(Dv)
+    BM = _pow2(m, floor=16 if triton_interpreting() else 64)
     big = max(BD, BM, BV_all) > 64
     cfg = dict(
         BT=64, BD=BD, BM=BM,
@@ -64,12 +68,12 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
     """Whether the compiled (GPU) kernels are verified for these sizes.
 
-    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6): padded D and Dv of 128 and padded
-    m of 64 or 128, i.e. 64 < D, Dv <= 128 and 32 < m <= 128. A d_h = 256 / m = 32 case hit an
-    illegal memory access there that is not understood yet, so other sizes are refused on CUDA
-    rather than risked. The interpreter (CPU) runs every size.
+    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6): padded D and Dv of 64 or 128 and
+    m up to 128 (the feature tile padded to 64 or 128, see ``_launch``), i.e. 32 < D, Dv <= 128
+    and 16 < m <= 128. Other sizes (d_h = 256 among them) are refused on CUDA until verified
+    there. The interpreter (CPU) runs every size.
     """
-    return _pow2(D) == 128 and _pow2(Dv) == 128 and _pow2(m) in (64, 128)
+    return _pow2(D) in (64, 128) and _pow2(Dv) in (64, 128) and _pow2(m) in (32, 64, 128)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -293,8 +297,8 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
             f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
-            f"Dv={v.shape[3]} are outside the GPU-verified sizes (64 < D, Dv <= 128, "
-            "32 < m <= 128); use impl='reference' or impl=None")
+            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 128, "
+            "16 < m <= 128); use impl='reference' or impl=None")
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
