@@ -9,6 +9,7 @@ is allowed on the CPU too — that is how CI tests kernels.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -37,7 +38,23 @@ def choose_impl(op: str, impl: Optional[str], tensors: Sequence[torch.Tensor],
                              "the CPU interpreter); got tensors on "
                              f"{sorted({str(t.device) for t in tensors})}")
         return "kernel"
+    if on_cuda and kernel is None:
+        _warn_reference_on_cuda(op)
     return "kernel" if (kernel is not None and on_cuda) else "reference"
+
+
+_WARNED_OPS: set = set()
+
+
+def _warn_reference_on_cuda(op: str) -> None:
+    """Say once per op that CUDA inputs run the slow PyTorch reference: a missing kernel package
+    or unverified sizes would otherwise only show as a 10x slower training step."""
+    if op in _WARNED_OPS:
+        return
+    _WARNED_OPS.add(op)
+    warnings.warn(f"{op}: no Triton kernel for these CUDA inputs (triton or megatron_subq.kernels "
+                  "not importable, or sizes outside the kernel's GPU-verified ones); running the "
+                  "PyTorch reference", RuntimeWarning, stacklevel=3)
 
 
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
