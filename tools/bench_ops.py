@@ -551,14 +551,23 @@ def main(argv=None) -> int:
                     rec["fwd_TFLOPs"] = rec["fwd_flops"] / rec["fwd_ms"] / 1e9
                 results.append(rec)
                 print(json.dumps(rec), flush=True)
+                save(meta, results, args.json)
             del rows
             torch.cuda.empty_cache()
+    save(meta, results, args.json)
     report(meta, results, args.plot)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({**meta, "results": results}, f, indent=1)
     return 0
+
+
+def save(meta: dict, results: list, path: str) -> None:
+    """Write the JSON (after every row too: a run stopped by a time limit keeps what it measured)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({**meta, "results": results}, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
