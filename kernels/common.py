@@ -1,7 +1,23 @@
-"""Triton helpers shared by the chunked kernels (tile loads, matmul operand casts)."""
+"""Triton helpers shared by the chunked kernels (tile loads, matmul operand casts), and the host
+check of the kernels' 32-bit offsets."""
 
 import triton
 import triton.language as tl
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int32_offsets(op: str, **sizes: int) -> None:
+    """The kernels compute element offsets in 32-bit integers (Triton's type for int arguments
+    and ``tl.arange``): refuse, with a message naming the tensor, any tensor of more elements
+    than that addresses instead of reading or writing the wrong memory. ``sizes``: name ->
+    number of elements (inputs, outputs and the kernel's own buffers)."""
+    for name, numel in sizes.items():
+        if numel > INT32_MAX:
+            raise ValueError(
+                f"{op}: {name} has {numel:,} elements, more than the kernels' 32-bit offsets "
+                f"address ({INT32_MAX:,}); split the batch or the sequence (chunked prefill), "
+                "or use impl='reference'")
 
 
 @triton.jit

@@ -13,6 +13,8 @@ import triton
 
 from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
 
+from ..common import check_int32_offsets
+
 from .chunk import (
     approx_bwd_dk_kernel,
     approx_bwd_dq_kernel,
@@ -177,6 +179,8 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "
                          "impl='reference'")
+    check_int32_offsets(op, q=q.numel(), k=k.numel(),
+                        chunk_states=B * H_kv * triton.cdiv(T, CHUNK) * D * D)
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:

@@ -15,6 +15,8 @@ import triton
 
 from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
 
+from ..common import check_int32_offsets
+
 from .chunk import (
     nonapprox_bwd_grad_kernel,
     nonapprox_bwd_scan_kernel,
@@ -135,6 +137,7 @@ def nonapprox_attention_kernel(q, k, v, state=None, output_final_state: bool = F
                          f"{SUPPORTED_DTYPES} (use impl='reference' for others)")
     if v.shape[3] != D:
         raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
+    check_int32_offsets(op, q=q.numel(), k=k.numel())
     max0 = den0 = num0 = None
     if state is not None:
         _check_state(op, state, B, H, D)

@@ -41,6 +41,8 @@ import torch
 import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
+
+from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
 from .kernels import (search_topk_kernel, span_bwd_kernel, span_fwd_kernel, window_bwd_kernel,
@@ -216,6 +218,8 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
         q, q_s, k, v = (x.float() for x in (q, q_s, k, v))
     q, q_s, k, v = (x.contiguous() for x in (q, q_s, k, v))
     B, T, H, D = q.shape
+    check_int32_offsets("superlinear_attention_kernel", q=q.numel(), k=k.numel(),
+                        per_anchor_outputs=B * T * H * topk * D)
     cfg = launch_config(D, block_m, block_n)
     plan = superlinear_plan(T, search_power, span_power, backward_factor, forward_factor,
                             sw_index, device=q.device)

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The kernels' GPU checks and benchmarks in few device calls (one GPU: nvidia-h100-x1).
+#
+# Device time is scarce and Triton compiles on the device are slow (about 20 s per kernel
+# specialisation), so this script (1) keeps Triton's cache in .tcache/ and hands it back as
+# $OUT/tcache.tgz.a* parts — carry them into the next call (`carry: [".whl", ".tcache.tgz.aa", …]`)
+# and nothing is compiled twice; (2) compiles in parallel: each GPU test file runs in its own
+# process (16 CPU cores, tests are compile-bound) before anything is timed; (3) packs every log
+# and JSON into $OUT/logs.tgz (a call returns at most 8 files).
+#
+# From the project root on the device, after `source .whl/setup.sh`:
+#   bash tools/gpu_kernel_suite.sh tests            # every kernel's GPU tests (pytest -m gpu)
+#   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
+#   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA and Superlinear prefill benchmarks
+#   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
+# Back here: `mkdir -p /tmp/s && tar -xzf <files_at>/logs.tgz -C /tmp/s`, and
+# `cp <files_at>/tcache.tgz.a* .` for the next call (.tcache* is git-ignored via .git/info/exclude).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+R=$PWD
+: "${OUT:?OUT must name the folder whose files come back}"
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export TRITON_CACHE_DIR=$R/.tcache PYTHONUNBUFFERED=1
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".tcache.tgz.a*" > /dev/null; then cat .tcache.tgz.a* | tar -xz; fi
+BENCH="python3 $R/tools/bench_ops.py"
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
+
+stage_tests() {
+  # run from /tmp: at the repository root, ./megatron_subq would shadow the installed package
+  local pids=() f
+  for f in asa_kernel nonapprox_kernel approx_kernel ppa_kernel superlinear_kernel superlinear_decode; do
+    (cd /tmp && timeout "$STAGE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+       "$R/tests/test_$f.py" > "$LOGS/test_$f.log" 2>&1; echo "rc $?" >> "$LOGS/test_$f.log") &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for f in "$LOGS"/test_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error)' "$f" | tail -1)"; done
+}
+
+stage_asa_ab() {
+  # default launch vs the options not yet made default (each must also pass the GPU tests)
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 2048,16384,65536 --profile \
+    --asa-launch '{}' --asa-launch '{"keep_states": true}' --asa-launch '{"fused_scan": true}' \
+    --asa-launch '{"keep_states": true, "fused_scan": true}' \
+    --asa-launch '{"keep_states": true, "fused_scan": true, "BT": 128}' \
+    --json "$LOGS/bench_asa_ab.json" > "$LOGS/bench_asa_ab.log" 2>&1
+  grep -v '^{' "$LOGS/bench_asa_ab.log" | tail -40
+}
+
+stage_sparse_bench() {
+  timeout "$STAGE_TIMEOUT" $BENCH --ops ppa --ppa-dense-gap 8,32 --ppa-flex-max-len 8192 \
+    --lengths 4096,8192,16384,32768,65536,131072,262144 --profile \
+    --json "$LOGS/bench_ppa.json" > "$LOGS/bench_ppa.log" 2>&1
+  grep -v '^{' "$LOGS/bench_ppa.log" | tail -40
+  timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear_prefill --heads 32 --kv-heads 2 \
+    --lengths 16384,32768,65536 --json "$LOGS/bench_slp.json" > "$LOGS/bench_slp.log" 2>&1
+  grep -v '^{' "$LOGS/bench_slp.log" | tail -20
+}
+
+nvidia-smi --query-gpu=name --format=csv,noheader
+for stage in "$@"; do
+  case $stage in
+    tests) stage_tests ;;
+    asa-ab) stage_asa_ab ;;
+    sparse-bench) stage_sparse_bench ;;
+    *) echo "unknown stage $stage (have: tests asa-ab sparse-bench)"; exit 2 ;;
+  esac
+done
+tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+tar -cz .tcache | split -b 15M - "$OUT/tcache.tgz."
+ls -la "$OUT"
