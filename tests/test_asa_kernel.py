@@ -95,8 +95,8 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 65, 2, 1, 16, 16, 16), "linear", dtype)
 
 
-@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
-def test_kernel_prefill_and_decode_continue_each_other(normalize):
+def _check_prefill_decode(normalize):
+    """Prefill 30 tokens, prefill 37 more from that state, decode 3: equal to one full pass."""
     D, m = (128, 64) if DEVICE == "cuda" else (16, 8)  # GPU: the verified sizes
     q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 70, 2, 1, D, m, D, torch.float32))
     full = asa_attention_quadratic(q, k, v, p_q, p_k, normalize)
@@ -109,6 +109,11 @@ def test_kernel_prefill_and_decode_continue_each_other(normalize):
     assert rel_rms(got, full) < 1e-5
     _, ref_state = ops.asa_prefill(q, k, v, p_q, p_k, normalize, impl="reference")
     assert rel_rms(st.S, ref_state.S) < 1e-5 and rel_rms(st.z, ref_state.z) < 1e-5
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_kernel_prefill_and_decode_continue_each_other(normalize):
+    _check_prefill_decode(normalize)
 
 
 def test_module_uses_the_kernel():
@@ -182,6 +187,70 @@ def test_kernel_packed_rejects_states():
 
 
 # ------------------------------------------------------------------------------------------
+# launch options (function.py: _launch), off by default: keep_states (the backward reuses the
+# forward's chunk states) and fused_scan (the S and z prefix sums in one launch)
+# ------------------------------------------------------------------------------------------
+LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
+BOTH_OPTIONS = '{"keep_states": true, "fused_scan": true}'
+
+
+def _count_calls(monkeypatch, names=("_chunk_states", "_scan", "_scan_pair")):
+    """Count the calls of function.py's state helpers, so that a test sees an option taken (a
+    numerical comparison alone would also pass if the option were ignored)."""
+    module = KERNEL.function
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _name=name, _fn=getattr(module, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+@pytest.mark.parametrize("T", [64, 65])
+def test_launch_options_match_reference_fp32(T, normalize, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    calls = _count_calls(monkeypatch)
+    _compare(SMALL_SHAPES[T], normalize, torch.float32)
+    # states once (kept for the backward), two fused scans (forward, reverse), no separate one
+    assert calls == {"_chunk_states": 1, "_scan": 0, "_scan_pair": 2}
+
+
+def test_launch_options_packed_sequences_fp32(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    calls = _count_calls(monkeypatch)
+    _compare_packed("linear", torch.float32)
+    assert calls == {"_chunk_states": 1, "_scan": 0, "_scan_pair": 2}
+
+
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_launch_options_prefill_and_decode(normalize, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    calls = _count_calls(monkeypatch)
+    _check_prefill_decode(normalize)  # initial and final states through the fused scan
+    assert calls["_scan"] == 0 and calls["_scan_pair"] == 2
+
+
+# each option alone, and the default: (_chunk_states, _scan, _scan_pair) calls in fwd + bwd.
+# scan_block=8 splits S (12 x 16 values) into 24 blocks and z (12) into 2, behind them
+LAUNCH_ALONE = {
+    "default": ("{}", (2, 6, 0)),
+    "keep_states": ('{"keep_states": true}', (1, 4, 0)),
+    "fused_scan": ('{"fused_scan": true, "scan_block": 8}', (2, 0, 3)),
+}
+
+
+@pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
+def test_launch_option_alone(option, monkeypatch):
+    launch, expected = LAUNCH_ALONE[option]
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    calls = _count_calls(monkeypatch)
+    _compare(SMALL_SHAPES[65], "linear", torch.float32)
+    assert tuple(calls.values()) == expected
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: large shapes, the real half-precision tensor-core paths
 # ------------------------------------------------------------------------------------------
 GPU_SHAPES = {
@@ -226,6 +295,18 @@ def test_kernel_packed_sequences_gpu(dtype):
     """Packed sequences at the verified sizes: ragged lengths around and across chunks."""
     _compare_packed("linear", DTYPES[dtype], bounds=[0, 1, 700, 1000, 1001, 1064, 2048],
                     sizes=(8, 2, 128, 64, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32"])
+def test_launch_options_gpu(case, monkeypatch):
+    """keep_states and fused_scan compiled (the A/B candidates of tools/bench_ops.py)."""
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    if case == "gqa-bf16":
+        _compare(GPU_SHAPES["gqa"], "linear", torch.bfloat16)
+    else:
+        _compare_packed("linear", torch.float32, bounds=[0, 1, 700, 1000, 1001, 1064, 2048],
+                        sizes=(8, 2, 128, 64, 128))
 
 
 @pytest.mark.gpu

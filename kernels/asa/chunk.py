@@ -10,9 +10,9 @@ to HBM)::
     backward  g = dO / den, r = -(dO·o) / den (linear; r = 0 otherwise),
               reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r
 
-The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default), or as
-one fused loop over chunks per head (``scan="sequential"``); the output and gradient kernels are
-parallel over chunks.
+The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default; the S
+and z sums in one launch with cfg ``fused_scan``), or as one fused loop over chunks per head
+(``scan="sequential"``); the output and gradient kernels are parallel over chunks.
               per chunk:  dA = tril(g vᵀ + r 1ᵀ)
                           dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
                           dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c
@@ -23,7 +23,8 @@ parallel over chunks.
 Matmul operands are cast to the input dtype (bf16/fp16 tensor cores, or fp32 with
 ``input_precision="ieee"``); every accumulation (dots, states, softmax) is fp32. The chunk states
 ``S_c, z_c`` (fp32, ``[B, H, NT, m, Dv]``) are written by the state kernel and read by the output
-kernel; the backward recomputes them rather than keeping them alive between passes.
+kernel; the backward recomputes them rather than keeping them alive between passes (unless
+cfg ``keep_states``, which saves them for it).
 
 Packed sequences (``VARLEN``, B = 1): chunk c is row c of a host-built table (start, stop,
 seq_start, seq_stop) whose chunks never straddle a sequence boundary; tiles are masked at the
@@ -241,18 +242,12 @@ def asa_chunk_delta_kernel(
 
 
 @triton.jit
-def asa_chunk_scan_kernel(
-    delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, NT, L,
-    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
-    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
-):
-    """grid (cdiv(L, BLOCK), B*H): exclusive prefix sums over chunks, out[c] = init + Σ_{c'<c}
-    delta[c'] (REVERSE: Σ_{c'>c}); [B*H, NT, L] fp32. Only a running sum is carried from one
-    chunk to the next, so the loads stream ahead of it (unlike the fused scan's matmuls).
-    VARLEN: the sums restart at every sequence's first chunk (last, REVERSE), read from the
-    chunk table (``_chunk_span``); there is no init then."""
-    pid_l, pid_bh = tl.program_id(0), tl.program_id(1)
-    offs = pid_l * BLOCK + tl.arange(0, BLOCK)
+def _prefix_sums(delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, pid_bh, blk, NT, L,
+                 BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+                 REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+    """Block ``blk`` (BLOCK of the L values) of one (batch, head)'s exclusive prefix sums over
+    chunks: the body of both scan kernels below."""
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < L
     if HAS_INIT:
         run = tl.load(init_ptr + pid_bh * L + offs, mask=mask, other=0.0)
@@ -275,6 +270,42 @@ def asa_chunk_scan_kernel(
         run += val
     if STORE_FINAL:
         tl.store(final_ptr + pid_bh * L + offs, run, mask=mask)
+
+
+@triton.jit
+def asa_chunk_scan_kernel(
+    delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, NT, L,
+    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """grid (cdiv(L, BLOCK), B*H): exclusive prefix sums over chunks, out[c] = init + Σ_{c'<c}
+    delta[c'] (REVERSE: Σ_{c'>c}); [B*H, NT, L] fp32. Only a running sum is carried from one
+    chunk to the next, so the loads stream ahead of it (unlike the sequential scan's matmuls).
+    VARLEN: the sums restart at every sequence's first chunk (last, REVERSE), read from the
+    chunk table (``_chunk_span``); there is no init then."""
+    _prefix_sums(delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, tl.program_id(1),
+                 tl.program_id(0), NT, L, BLOCK, HAS_INIT, STORE_FINAL, REVERSE, VARLEN)
+
+
+@triton.jit
+def asa_chunk_scan_pair_kernel(
+    s_delta_ptr, s_out_ptr, s_init_ptr, s_final_ptr,
+    z_delta_ptr, z_out_ptr, z_init_ptr, z_final_ptr,
+    chunks_ptr, NT, LS, LZ, NBS,
+    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
+    REVERSE: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """grid (NBS + cdiv(LZ, BLOCK), B*H), NBS = cdiv(LS, BLOCK): ``asa_chunk_scan_kernel`` on
+    the S deltas ([B*H, NT, LS]) and the z deltas ([B*H, NT, LZ]) in one launch (cfg
+    fused_scan): programs below NBS scan S, the others z. The z scan is as long (NT steps) as
+    an S block's and as latency-bound, so it rides along instead of costing a launch of its own."""
+    pid_l, pid_bh = tl.program_id(0), tl.program_id(1)
+    if pid_l < NBS:
+        _prefix_sums(s_delta_ptr, s_out_ptr, s_init_ptr, s_final_ptr, chunks_ptr, pid_bh, pid_l,
+                     NT, LS, BLOCK, HAS_INIT, STORE_FINAL, REVERSE, VARLEN)
+    else:
+        _prefix_sums(z_delta_ptr, z_out_ptr, z_init_ptr, z_final_ptr, chunks_ptr, pid_bh,
+                     pid_l - NBS, NT, LZ, BLOCK, HAS_INIT, STORE_FINAL, REVERSE, VARLEN)
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .chunk import (
     asa_bwd_states_kernel,
     asa_chunk_delta_kernel,
     asa_chunk_scan_kernel,
+    asa_chunk_scan_pair_kernel,
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
@@ -42,7 +43,19 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
     per program of the dP reduction; scan: "parallel" (per-chunk deltas in parallel, then a
     streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
-    its latency grows with T/BT). ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
+    its latency grows with T/BT); scan_block, scan_warps, scan_stages: the prefix-sum kernel's
+    values per program, warps and stages.
+
+    Two options, both off by default (for A/B runs):
+
+    * keep_states: the forward saves its chunk states S_c, z_c (fp32, B·H·NT·m·(Dv + 1) values,
+      whichever scan made them) for the backward, which otherwise recomputes them (a delta
+      kernel and two scans, or the sequential state kernel) — memory traded for time;
+    * fused_scan: the parallel path's S and z prefix sums (forward states and backward reverse
+      states, packed sequences included) run in one launch (``asa_chunk_scan_pair_kernel``)
+      instead of two.
+
+    ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
     """
     # compiled, the feature tile is at least 64 wide: with m padded to 32, fp16/bf16 inputs hit an
     # illegal memory access on an H100 (Triton 3.6, 2026-11-22; fp32 was fine) — padded features
@@ -58,6 +71,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
         stages=2, CPG=16, scan="parallel", scan_block=1024, scan_warps=4, scan_stages=3,
+        keep_states=False, fused_scan=False,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -113,6 +127,30 @@ def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None):
     return out, (final if store_final else None)
 
 
+def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, chunks=None):
+    """``_scan`` of the S deltas [B, H, NT, m, Dv] and the z deltas [B, H, NT, m] in one launch
+    (cfg fused_scan): (S sums, z sums, (S final, z final) or None)."""
+    B, H, NT = delta.shape[:3]
+    LS, LZ = delta[0, 0, 0].numel(), dz[0, 0, 0].numel()
+    has_init = init is not None
+    out, z_out = torch.empty_like(delta), torch.empty_like(dz)
+    final, z_final = out, z_out  # unwritten unless store_final
+    if store_final:
+        final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
+                            device=delta.device)
+        z_final = torch.empty((B, H) + tuple(dz.shape[3:]), dtype=torch.float32,
+                              device=dz.device)
+    n_s = triton.cdiv(LS, cfg["scan_block"])
+    asa_chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg["scan_block"]), B * H)](
+        delta, out, init if has_init else out, final,
+        dz, z_out, z_init if has_init else z_out, z_final,
+        chunks if chunks is not None else out, NT, LS, LZ, n_s,
+        BLOCK=cfg["scan_block"], HAS_INIT=has_init, STORE_FINAL=store_final,
+        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
+        num_stages=cfg["scan_stages"])
+    return out, z_out, ((final, z_final) if store_final else None)
+
+
 def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None):
     """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
     B, T, _, D = x.shape
@@ -138,6 +176,8 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     Dv, m = v.shape[3], p_k.shape[2]
     if cfg["scan"] == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0, chunks)
+        if cfg["fused_scan"]:
+            return _scan_pair(delta, dz, s0, z0, cfg, False, store_final, chunks)
         states, s_final = _scan(delta, s0, cfg, False, store_final, chunks)
         zs, z_final = _scan(dz, z0, cfg, False, store_final, chunks)
         return states, zs, (s_final, z_final) if store_final else None
@@ -170,6 +210,8 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     Dv, m = d_o.shape[3], p_q.shape[2]
     if cfg["scan"] == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
+        if cfg["fused_scan"]:
+            return _scan_pair(delta, dz, None, None, cfg, True, False, chunks)[:2]
         return (_scan(delta, None, cfg, True, False, chunks)[0],
                 _scan(dz, None, cfg, True, False, chunks)[0])
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
@@ -229,7 +271,8 @@ class ASAChunkFunction(torch.autograd.Function):
             BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=norm,
             PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["out_warps"],
             num_stages=cfg["stages"])
-        ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks)
+        kept = (states, zs) if cfg["keep_states"] else (None, None)
+        ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
         if final is None:
             return o, None, None
@@ -238,14 +281,15 @@ class ASAChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, _d_s_final, _d_z_final):
-        q, k, v, p_q, p_k, o, den, s0, z0, chunks = ctx.saved_tensors
+        q, k, v, p_q, p_k, o, den, s0, z0, chunks, states, zs = ctx.saved_tensors
         cfg, norm = ctx.cfg, ctx.norm
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
         Dv, m = v.shape[3], p_q.shape[2]
         d_o = d_o.contiguous()
-        states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)  # recomputed
+        if states is None:  # not kept by the forward (cfg keep_states): recomputed
+            states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
         if norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
             r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
