@@ -191,7 +191,7 @@ def test_kernel_packed_rejects_states():
 # forward's chunk states) and fused_scan (the S and z prefix sums in one launch)
 # ------------------------------------------------------------------------------------------
 LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
-BOTH_OPTIONS = '{"keep_states": true, "fused_scan": true}'
+ALL_OPTIONS = '{"keep_states": true, "fused_scan": true, "r_kernel": true}'
 
 
 def _count_calls(monkeypatch, names=("_chunk_states", "_scan", "_scan_pair")):
@@ -210,7 +210,7 @@ def _count_calls(monkeypatch, names=("_chunk_states", "_scan", "_scan_pair")):
 @pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
 @pytest.mark.parametrize("T", [64, 65])
 def test_launch_options_match_reference_fp32(T, normalize, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     calls = _count_calls(monkeypatch)
     _compare(SMALL_SHAPES[T], normalize, torch.float32)
     # states once (kept for the backward), two fused scans (forward, reverse), no separate one
@@ -218,7 +218,7 @@ def test_launch_options_match_reference_fp32(T, normalize, monkeypatch):
 
 
 def test_launch_options_packed_sequences_fp32(monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     calls = _count_calls(monkeypatch)
     _compare_packed("linear", torch.float32)
     assert calls == {"_chunk_states": 1, "_scan": 0, "_scan_pair": 2}
@@ -226,7 +226,7 @@ def test_launch_options_packed_sequences_fp32(monkeypatch):
 
 @pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
 def test_launch_options_prefill_and_decode(normalize, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     calls = _count_calls(monkeypatch)
     _check_prefill_decode(normalize)  # initial and final states through the fused scan
     assert calls["_scan"] == 0 and calls["_scan_pair"] == 2
@@ -239,6 +239,17 @@ LAUNCH_ALONE = {
     "keep_states": ('{"keep_states": true}', (1, 4, 0)),
     "fused_scan": ('{"fused_scan": true, "scan_block": 8}', (2, 0, 3)),
 }
+
+
+@pytest.mark.parametrize("shape", [SMALL_SHAPES[65], (2, 130, 4, 2, 24, 12, 40)])
+def test_launch_option_r_kernel(shape, monkeypatch):
+    """r = −(dO·o)/den from asa_bwd_r_kernel (linear only): all gradients as the reference."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"r_kernel": true}')
+    calls = _count_calls(monkeypatch, names=("_linear_r",))
+    _compare(shape, "linear", torch.float32)
+    assert calls == {"_linear_r": 1}
+    _compare(shape, "mean", torch.float32)  # no r outside the linear normalisation
+    assert calls == {"_linear_r": 1}
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
@@ -301,7 +312,7 @@ def test_kernel_packed_sequences_gpu(dtype):
 @pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32"])
 def test_launch_options_gpu(case, monkeypatch):
     """keep_states and fused_scan compiled (the A/B candidates of tools/bench_ops.py)."""
-    monkeypatch.setenv(LAUNCH_ENV, BOTH_OPTIONS)
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     if case == "gqa-bf16":
         _compare(GPU_SHAPES["gqa"], "linear", torch.bfloat16)
     else:

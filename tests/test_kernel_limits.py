@@ -49,3 +49,11 @@ def test_sizes_below_the_limit_pass_the_check():
     check_int32_offsets("op", q=INT32_MAX)
     with pytest.raises(ValueError, match="op: x has 2,147,483,648 elements"):
         check_int32_offsets("op", x=INT32_MAX + 1)
+
+
+def test_asa_refuses_unaddressable_inputs():
+    fn = kernel_package("asa").asa_attention_kernel
+    B, T, H, D = HUGE
+    p = _meta(H, D, 64)
+    with pytest.raises(ValueError, match=r"asa_attention_kernel: q has"):
+        fn(_meta(B, T, H, D), _meta(B, T, 2, D), _meta(B, T, 2, D), p, p)

@@ -43,8 +43,8 @@ stage_asa_ab() {
   # default launch vs the options not yet made default (each must also pass the GPU tests)
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 2048,16384,65536 --profile \
     --asa-launch '{}' --asa-launch '{"keep_states": true}' --asa-launch '{"fused_scan": true}' \
-    --asa-launch '{"keep_states": true, "fused_scan": true}' \
-    --asa-launch '{"keep_states": true, "fused_scan": true, "BT": 128}' \
+    --asa-launch '{"r_kernel": true}' --asa-launch '{"keep_states": true, "fused_scan": true, "r_kernel": true}' \
+    --asa-launch '{"keep_states": true, "fused_scan": true, "r_kernel": true, "BT": 128}' \
     --json "$LOGS/bench_asa_ab.json" > "$LOGS/bench_asa_ab.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_ab.log" | tail -40
 }

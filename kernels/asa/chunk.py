@@ -359,6 +359,24 @@ def asa_bwd_states_kernel(
 
 
 @triton.jit
+def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
+                     BT: tl.constexpr, BV: tl.constexpr):
+    """grid (cdiv(T, BT), B*H): the linear normalisation's r = −(dO·o)/den per token.
+    dO, o: [B, T, H, DV] contiguous (read once, in their own dtype); den, r: [B, H, T] fp32."""
+    pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    rows = pid_t * BT + tl.arange(0, BT)
+    cols = tl.arange(0, BV)
+    row_mask = rows < T
+    at = ((b * T + rows) * H + h)[:, None] * DV + cols[None, :]
+    mask = row_mask[:, None] & (cols[None, :] < DV)
+    g = tl.load(do_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+    tl.store(r_ptr + pid_bh * T + rows, -tl.sum(g * o, axis=1) / den, mask=row_mask)
+
+
+@triton.jit
 def asa_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,

@@ -17,9 +17,12 @@ import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
 
+from ..common import check_int32_offsets
+
 from .chunk import (
     asa_bwd_chunk_kernel,
     asa_bwd_dp_kernel,
+    asa_bwd_r_kernel,
     asa_bwd_states_kernel,
     asa_chunk_delta_kernel,
     asa_chunk_scan_kernel,
@@ -46,14 +49,17 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     its latency grows with T/BT); scan_block, scan_warps, scan_stages: the prefix-sum kernel's
     values per program, warps and stages.
 
-    Two options, both off by default (for A/B runs):
+    Three options, all off by default until measured and GPU-tested (A/B runs):
 
     * keep_states: the forward saves its chunk states S_c, z_c (fp32, B·H·NT·m·(Dv + 1) values,
       whichever scan made them) for the backward, which otherwise recomputes them (a delta
       kernel and two scans, or the sequential state kernel) — memory traded for time;
     * fused_scan: the parallel path's S and z prefix sums (forward states and backward reverse
       states, packed sequences included) run in one launch (``asa_chunk_scan_pair_kernel``)
-      instead of two.
+      instead of two;
+    * r_kernel: the linear normalisation's r = −(dO·o)/den comes from ``asa_bwd_r_kernel``, which
+      reads dO and o once in their own dtype, instead of torch ops on fp32 copies of both (0.42 of
+      2.77 ms of kernel time at T = 16K on an H100).
 
     ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
     """
@@ -71,7 +77,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
         stages=2, CPG=16, scan="parallel", scan_block=1024, scan_warps=4, scan_stages=3,
-        keep_states=False, fused_scan=False,
+        keep_states=False, fused_scan=False, r_kernel=False,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -224,6 +230,15 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     return dstates, dzs
 
 
+def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
+    """r = −(dO·o)/den per token, [B, H, T] fp32 (``asa_bwd_r_kernel``); dO, o contiguous."""
+    B, T, H, Dv = o.shape
+    r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
+    asa_bwd_r_kernel[(triton.cdiv(T, cfg["BT"]), B * H)](
+        d_o, o, den, r, T, H, Dv, BT=cfg["BT"], BV=_pow2(Dv), num_warps=4)
+    return r
+
+
 def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
     B, T, _, D = x.shape
@@ -291,7 +306,9 @@ class ASAChunkFunction(torch.autograd.Function):
         if states is None:  # not kept by the forward (cfg keep_states): recomputed
             states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
-        if norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
+        if norm == 0 and cfg["r_kernel"]:
+            r = _linear_r(d_o, o, den, cfg)
+        elif norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
             r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
             r = r.contiguous()
         else:
@@ -346,6 +363,11 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
+    B, T, H, _ = q.shape
+    m, Dv = p_q.shape[2], v.shape[3]
+    check_int32_offsets("asa_attention_kernel", q=q.numel(), k=k.numel(), v=v.numel(),
+                        output=B * T * H * Dv, feature_grads=B * T * H * m,
+                        chunk_states=B * H * triton.cdiv(T, 64) * m * Dv)
     seq_bounds = None
     if cu_seqlens is not None:
         if initial_state is not None or output_final_state:
