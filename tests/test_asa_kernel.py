@@ -329,3 +329,33 @@ def test_prefill_decode_gpu_bf16():
     steps = [ops.asa_decode_step(q[:, t], k[:, t], v[:, t], p_q, p_k, st) for t in range(200, 300)]
     got = torch.cat([o1, torch.stack(steps, dim=1)], dim=1)
     assert rel_rms(got, full) < BOUNDS[torch.bfloat16]
+
+
+# sizes the GPU has not verified yet (kernel_supports refuses them on CUDA); each runs in its own
+# process with the refusal lifted, so an illegal memory access cannot poison the other tests
+GPU_CANDIDATES = {
+    "d256-m64": ((1, 700, 4, 2, 256, 64, 256), "linear", "bf16"),
+    "d256-m32": ((1, 700, 4, 2, 256, 32, 256), "mean", "fp16"),
+    "d128-m256": ((1, 700, 4, 2, 128, 256, 128), "linear", "bf16"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(GPU_CANDIDATES))
+def test_unverified_size_candidates_gpu(case):
+    """Evidence for widening ``kernel_supports``: the kernel against the reference at a size it
+    refuses today. A pass here (on the GPU) is what allows adding the size there."""
+    import os
+    import subprocess
+    import sys
+
+    shape, normalize, dtype = GPU_CANDIDATES[case]
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import test_asa_kernel as t\n"
+        "t.KERNEL.kernel_supports = t.KERNEL.function.kernel_supports = lambda *a: True\n"
+        f"e = t._compare({shape!r}, {normalize!r}, t.DTYPES[{dtype!r}])\n"
+        "print(' '.join(f'{k}={v:.1e}' for k, v in e.items()))\n")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)],
+                         capture_output=True, text=True, timeout=900)
+    print(f"{case}: {out.stdout.strip()}")
+    assert out.returncode == 0, out.stderr[-3000:]
