@@ -11,7 +11,8 @@
 # From the project root on the device, after `source .whl/setup.sh`:
 #   bash tools/gpu_kernel_suite.sh tests            # every kernel's GPU tests (pytest -m gpu)
 #   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
-#   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA and Superlinear prefill benchmarks
+#   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
+#   bash tools/gpu_kernel_suite.sh profile          # asa, nonapprox, approx: per-kernel time, GPU busy %
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
 # Back here: `mkdir -p /tmp/s && tar -xzf <files_at>/logs.tgz -C /tmp/s`, and
 # `cp <files_at>/tcache.tgz.a* .` for the next call (.tcache* is git-ignored via .git/info/exclude).
@@ -57,6 +58,17 @@ stage_sparse_bench() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear_prefill --heads 32 --kv-heads 2 \
     --lengths 16384,32768,65536 --json "$LOGS/bench_slp.json" > "$LOGS/bench_slp.log" 2>&1
   grep -v '^{' "$LOGS/bench_slp.log" | tail -20
+  timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear --heads 16 --lengths 16384,65536 --profile \
+    --json "$LOGS/bench_sl_profile.json" > "$LOGS/bench_sl_profile.log" 2>&1
+  grep -v '^{' "$LOGS/bench_sl_profile.log" | tail -40
+}
+
+stage_profile() {
+  # where each op's time goes at a short and a long length: per-kernel CUDA time and how busy
+  # the GPU is kept (launch/host overhead shows as a low busy fraction)
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa,nonapprox,approx --baselines "" --lengths 2048,16384 \
+    --profile --json "$LOGS/bench_profile.json" > "$LOGS/bench_profile.log" 2>&1
+  grep -v '^{' "$LOGS/bench_profile.log" | tail -60
 }
 
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -65,7 +77,8 @@ for stage in "$@"; do
     tests) stage_tests ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
-    *) echo "unknown stage $stage (have: tests asa-ab sparse-bench)"; exit 2 ;;
+    profile) stage_profile ;;
+    *) echo "unknown stage $stage (have: tests asa-ab sparse-bench profile)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
