@@ -213,6 +213,70 @@ def test_kernel_rejects_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------
+# launch options ($MEGATRON_SUBQ_APPROX_LAUNCH)
+# ------------------------------------------------------------------------------------------
+LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
+# option -> (launch JSON, _forward_states calls in fwd + bwd): kept states spare the recompute
+LAUNCH_ALONE = {
+    "default": ("{}", 1 + 1),
+    "keep_states": ('{"keep_states": true}', 1),
+}
+
+
+def _count_calls(monkeypatch, names=("_forward_states",)):
+    """Count the calls of function.py's state helper, so that a test sees an option taken (a
+    numerical comparison alone would also pass if the option were ignored)."""
+    module = KERNEL.function
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _name=name, _fn=getattr(module, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _compare_with_state(B, T0, T, H, H_kv, D, seed=7):
+    """The kernel continuing from the reference's state after T0 tokens (so length0 = T0 enters
+    o0's 1/n) against the chunked fp32 reference from the same state: o, all gradients and the
+    final state."""
+    q0, k0, v0 = (a.detach() for a in _inputs(B, T0, H, H_kv, D, torch.float32, seed=seed))
+    _, state = approx_attention_chunked(q0, k0, v0)
+    args = _inputs(B, T, H, H_kv, D, torch.float32, seed=seed + 1)
+    o, st = ops.approx_prefill(*args, state=state, impl="kernel")
+    d_out = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 2)).to(o)
+    got = (o,) + torch.autograd.grad(o, args, d_out)
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    ref_o, ref_st = approx_attention_chunked(*ref_args, state=state)
+    ref = (ref_o,) + torch.autograd.grad(ref_o, ref_args, d_out)
+    for name, x, r in zip(NAMES, got, ref):
+        assert rel_rms(x, r) < BOUNDS[torch.float32], (name, rel_rms(x, r))
+    assert st.length == ref_st.length == T0 + T
+    for a, b in zip(st.tensors(), ref_st.tensors()):
+        assert rel_rms(a, b) < BOUNDS[torch.float32]
+
+
+@pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
+def test_launch_option_alone(option, monkeypatch):
+    """3 chunks, GQA, B = 2: the kept states are read at every (batch, head, chunk) offset."""
+    launch, expected = LAUNCH_ALONE[option]
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    calls = _count_calls(monkeypatch)
+    _compare((2, 130, 4, 2, 16), torch.float32)
+    assert calls == {"_forward_states": expected}
+
+
+@pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
+def test_launch_option_with_initial_state(option, monkeypatch):
+    """Gradients through a prefill that continues from a state (the states kept include it)."""
+    launch, expected = LAUNCH_ALONE[option]
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    calls = _count_calls(monkeypatch)
+    _compare_with_state(1, 50, 100, 4, 2, 16)
+    assert calls == {"_forward_states": expected}
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: large shapes, the real half-precision tensor-core paths
 # ------------------------------------------------------------------------------------------
 GPU_SHAPES = [
@@ -249,3 +313,14 @@ def test_prefill_decode_gpu_bf16():
     steps = [ops.approx_decode_step(q[:, t], k[:, t], v[:, t], st) for t in range(200, 300)]
     got = torch.cat([o1, torch.stack(steps, dim=1)], dim=1)
     assert rel_rms(got, full) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_launch_option_keep_states_gpu_bf16(monkeypatch):
+    """keep_states on the real bf16 tensor-core path (S kept in bf16), GQA."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"keep_states": true}')
+    calls = _count_calls(monkeypatch)
+    errors = _compare(GPU_SHAPES[0], torch.bfloat16)
+    assert calls == {"_forward_states": 1}
+    print(f"keep_states {GPU_SHAPES[0]} bf16: "
+          + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))

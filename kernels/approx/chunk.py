@@ -24,7 +24,8 @@ features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states ent
 dtype (the input's for bf16/fp16 — they are rounded to it for the tensor cores anyway — fp32 for
 fp32 inputs) as ``[B, H_kv, NT, D, D]``; ``z, sv`` and every accumulation are fp32. The state
 kernels split S into ``BK × BV`` blocks, one program each, for parallelism; the backward
-recomputes the forward states rather than keeping them alive. Triton's interpreter mis-computes
+recomputes the forward states rather than keeping them alive (unless the launch option
+``keep_states`` is set, see ``function.py: _launch``). Triton's interpreter mis-computes
 bf16 dots, so there (only) bf16 operands go through fp32 (``DOT_F32``).
 
 Layout: q ``[B, T, H, D]``, k, v ``[B, T, H_kv, D]`` contiguous; D padded to a power of two ≥ 16

@@ -8,6 +8,9 @@ an output without gradient (for prefill/decode, not for training through states)
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 import triton
 
@@ -28,6 +31,7 @@ from .chunk import (
 CHUNK = 64  # tokens per chunk: the intra-chunk products are BT x BT tensor-core tiles
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
+LAUNCH_ENV = "MEGATRON_SUBQ_APPROX_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
 
 
 def kernel_supports(D: int) -> bool:
@@ -42,9 +46,21 @@ def kernel_supports(D: int) -> bool:
 
 
 def _launch(D: int, dtype: torch.dtype) -> dict:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
+
+    One option, off by default until measured and GPU-tested (A/B runs):
+
+    * keep_states: the forward saves the chunk states it computed (S1, S2 entering every chunk,
+      2·B·H_kv·NT·D·D values in ``state_dtype``, plus z and sv, 3·B·H_kv·NT·D fp32 values) for
+      the backward, which otherwise reruns the sequential state scan (~525 us of ~3.4 ms fwd +
+      bwd at T = 16K, H = 16, D = 128, bf16 on an H100) — memory traded for time. S1, S2 are
+      D / (BT·G) times the size of o1, o2, which the forward saves anyway: at H_kv = 16,
+      D = 128, T = 16K in bf16, 268 MB per layer.
+
+    ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON) overrides any key, read on every call.
+    """
     BD = max(16, triton.next_power_of_2(D))
-    return dict(
+    cfg = dict(
         BT=CHUNK, BD=BD,
         # S blocks of the state scans, one program each: 2 x 4 blocks per head at D = 128
         BK_state=min(64, BD), BV_state=min(32, BD),
@@ -53,7 +69,12 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
         DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
         state_dtype=torch.float32 if dtype == torch.float32 else dtype,
         warps=4 if BD <= 64 else 8,
+        keep_states=False,
     )
+    overrides = os.environ.get(LAUNCH_ENV)
+    if overrides:
+        cfg.update(json.loads(overrides))
+    return cfg
 
 
 def _forward_states(k, v, state, cfg, store_final: bool):
@@ -102,7 +123,8 @@ class ApproxChunkFunction(torch.autograd.Function):
             T, H, H_kv, G, D, NT, length0, D ** -0.25, eps,
             BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
             DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
-        ctx.save_for_backward(q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0)
+        kept = (s1, s2, z, sv) if cfg["keep_states"] else (None,) * 4
+        ctx.save_for_backward(q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0, *kept)
         ctx.cfg, ctx.eps, ctx.length0 = cfg, eps, length0
         if final is None:
             return o, None, None, None, None, None
@@ -111,14 +133,15 @@ class ApproxChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, *_d_final):
-        q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0 = ctx.saved_tensors
+        q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0, s1, s2, z, sv = ctx.saved_tensors
         cfg, eps, length0 = ctx.cfg, ctx.eps, ctx.length0
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
         d_o = d_o.contiguous()
-        state = None if s1_0 is None else (s1_0, s2_0, z1_0, z2_0, sv_0)
-        s1, s2, z, sv, _ = _forward_states(k, v, state, cfg, False)  # recomputed
+        if s1 is None:  # not kept by the forward (cfg keep_states): recomputed
+            state = None if s1_0 is None else (s1_0, s2_0, z1_0, z2_0, sv_0)
+            s1, s2, z, sv, _ = _forward_states(k, v, state, cfg, False)
         NT = s1.shape[2]
         scale = D ** -0.25
         r = torch.empty_like(den)
