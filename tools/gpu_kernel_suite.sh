@@ -69,6 +69,11 @@ stage_profile() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa,nonapprox,approx --baselines "" --lengths 2048,16384 \
     --profile --json "$LOGS/bench_profile.json" > "$LOGS/bench_profile.log" 2>&1
   grep -v '^{' "$LOGS/bench_profile.log" | tail -60
+  # approx's keep_states option (read from its env var; bench_ops has no flag for it)
+  MEGATRON_SUBQ_APPROX_LAUNCH='{"keep_states": true}' timeout "$STAGE_TIMEOUT" $BENCH --ops approx \
+    --baselines "" --lengths 16384,65536 --profile --json "$LOGS/bench_approx_keep.json" \
+    > "$LOGS/bench_approx_keep.log" 2>&1
+  grep -v '^{' "$LOGS/bench_approx_keep.log" | tail -30
 }
 
 nvidia-smi --query-gpu=name --format=csv,noheader
