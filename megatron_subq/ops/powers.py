@@ -13,6 +13,7 @@ from functools import lru_cache
 MAX_DENOMINATOR = 1000
 
 
+@lru_cache(maxsize=256)  # a handful of knob values, asked for on every decode step
 def as_fraction(p: float | Fraction) -> Fraction:
     """The rational a/b a float power stands for (1/3 as a float becomes exactly 1/3)."""
     if isinstance(p, Fraction):

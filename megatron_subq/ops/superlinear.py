@@ -60,6 +60,7 @@ def _inverse_power(search_power) -> Fraction:
     return 1 / as_fraction(search_power)
 
 
+@lru_cache(maxsize=64)
 def superlinear_window(search_power: float, sw_index: int) -> int:
     """w = floor((sw_index+1)^(1/p)) - 1 (0 for sw_index = 0: no window)."""
     return floor_power(sw_index + 1, _inverse_power(search_power)) - 1
