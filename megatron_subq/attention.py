@@ -7,8 +7,11 @@ into megatron's ``SelfAttention`` as ``core_attention`` (GPTModel, and MambaStac
 slot, alike).
 
 Masks: every variant is causal by definition, so the causal ``attention_mask`` that megatron
-passes is implied and not read. Packed sequences (``packed_seq_params``, THD) are refused with a
-clear error until the kernels' ``cu_seqlens`` support lands.
+passes is implied and not read. Packed sequences (megatron's ``packed_seq_params`` in the THD
+layout: one row of documents back to back, ``cu_seqlens`` marking where each starts) run each
+document as its own causal sequence, for the variants whose class sets
+``packed_sequences = True``: through the op's own ``cu_seqlens`` (asa, ppa) or one ``attend`` per
+document (the default ``attend_packed``). The others refuse them with an error naming the variant.
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ from .parallel import local_heads, sharded_state_dict_with_head_params
 
 class SubqCoreAttention(MegatronModule):
     """Base of every variant's core attention. Subclasses implement ``attend``."""
+
+    # whether packed sequences (THD, cu_seqlens) are supported: a variant says so once its
+    # ``attend_packed`` keeps documents apart (tests/test_packed_sequences.py checks each)
+    packed_sequences: bool = False
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
@@ -49,14 +56,47 @@ class SubqCoreAttention(MegatronModule):
         """q: [B, T, H_local, D], k/v: [B, T, H_kv_local, D] -> [B, T, H_local, D]."""
         raise NotImplementedError
 
+    def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Packed sequences: q [1, T, H_local, D], k/v [1, T, H_kv_local, D], ``cu_seqlens``
+        ``[0, end_1, ..., T]`` -> [1, T, H_local, D], each document causal on its own. This
+        default runs ``attend`` once per document; ops that take ``cu_seqlens`` override it."""
+        bounds = cu_seqlens.tolist()
+        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])
+                if b > a]
+        return torch.cat(outs, dim=1)
+
+    def _forward_packed(self, query, key, value, packed_seq_params):
+        name = type(self).__name__
+        if not self.packed_sequences:
+            raise NotImplementedError(
+                f"{name}: packed sequences (packed_seq_params, e.g. --reset-attention-mask) are "
+                f"not supported by this variant; supported: {', '.join(packed_sequence_variants())}")
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"{name}: packed_seq_params.qkv_format="
+                             f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
+        cu = packed_seq_params.cu_seqlens_q_padded
+        if cu is None:
+            cu = packed_seq_params.cu_seqlens_q
+        cu_kv = packed_seq_params.cu_seqlens_kv_padded
+        if cu_kv is None:
+            cu_kv = packed_seq_params.cu_seqlens_kv
+        if cu is None or (cu_kv is not None and cu_kv is not cu and cu_kv.shape != cu.shape):
+            raise ValueError(f"{name}: self-attention on packed sequences needs cu_seqlens_q "
+                             "(and cu_seqlens_kv, if given, the same)")
+        # megatron hands THD tensors over as [t, np, hn] (batch squeezed); accept [t, 1, np, hn]
+        q, k, v = (x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
+                   for x in (query, key, value))  # [1, t, h, d]
+        out = self.attend_packed(q, k, v, cu)[0]  # [t, np, hn]
+        return out.reshape(out.shape[0], -1)  # [t, np*hn]: megatron adds the batch dim back
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        # query: [s, b, np, hn]; key/value: [s, b, ng, hn]
-        if packed_seq_params is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}: packed sequences (packed_seq_params) are not supported yet")
+        # query: [s, b, np, hn]; key/value: [s, b, ng, hn] (packed: [t, np, hn], see above)
         if attention_bias is not None:
             raise ValueError(f"{type(self).__name__}: attention_bias is not supported")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params)
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
         out = self.attend(q, k, v)  # [b, s, np, hn]
         out = out.transpose(0, 1)  # [s, b, np, hn]
@@ -64,3 +104,11 @@ class SubqCoreAttention(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
+
+
+def packed_sequence_variants() -> list:
+    """Names of the registered variants whose attention takes packed sequences."""
+    from .variants import VARIANTS  # noqa: PLC0415 - variants import this module
+
+    return sorted(name for name, variant in VARIANTS.items()
+                  if getattr(variant, "packed_sequences", False))

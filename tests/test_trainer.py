@@ -342,6 +342,51 @@ def test_bad_flags_fail_at_start_naming_the_flag(tmp_path, capsys):
     assert "unknown key 'num_layerz'" in _error(["--config", str(bad)] + MIN, capsys)
 
 
+def test_pack_documents_cuts_after_every_eod_and_at_sample_ends():
+    import torch
+
+    from megatron_subq.training.trainer import pack_documents
+
+    eod = 2
+    tokens = torch.tensor([[5, 6, eod, 7], [eod, 8, 9, eod]])
+    batch = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(2, 4),
+             "position_ids": torch.arange(4).expand(2, 4)}
+    row, params = pack_documents(batch, eod)
+    assert params.cu_seqlens_q.tolist() == [0, 3, 4, 5, 8] and params.qkv_format == "thd"
+    assert params.cu_seqlens_q.dtype == torch.int32
+    assert row["tokens"].tolist() == [[5, 6, eod, 7, eod, 8, 9, eod]]
+    assert row["labels"].shape == row["loss_mask"].shape == (1, 8)
+
+
+def test_reset_attention_mask_trains_at_tp2_sp_and_pp2(data):
+    """--reset-attention-mask through the trainer: packed micro-batches train at TP=2 + SP and at
+    PP=2, whose stages exchange [b*s, 1, h] activations (the two layouts initialise differently,
+    so their losses are not compared; tests/test_packed_sequences.py checks the math)."""
+    runs = {}
+    for name, layout in (("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                         ("pp2", ["--pipeline-model-parallel-size", "2"])):
+        metrics = data["work"] / f"packed_{name}.jsonl"
+        _torchrun(TINY + data["flags"] + layout + [
+            "--attention-variant", "asa", "--asa-rank", "8", "--reset-attention-mask",
+            "--seq-length", "256", "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-iters", "0",
+            "--eval-interval", "100", "--metrics-file", str(metrics)],
+            data["work"] / f"packed_{name}.log")
+        runs[name] = {i: r["lm_loss"] for i, r in _metrics(metrics)[0].items()}
+    for name, losses in runs.items():
+        assert sorted(losses) == [1, 2, 3], name
+        assert all(math.isfinite(v) and 5.0 < v < 12.0 for v in losses.values()), (name, losses)
+
+
+def test_reset_attention_mask_needs_packing_variants(capsys):
+    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "superlinear"], capsys)
+    assert "--reset-attention-mask: the variant(s) superlinear do not take packed" in err
+    assert "allowed with it: asa, ppa, standard" in err
+    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "asa", "--layer-pattern",
+                        "asa,sas"], capsys)
+    assert "variant(s) sas do not" in err
+    arguments.parse_args(MIN + ["--reset-attention-mask", "--attention-variant", "ppa"])
+
+
 def test_bad_variant_knob_names_its_flag(capsys):
     from megatron_subq.training.trainer import build_config
 

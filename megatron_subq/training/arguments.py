@@ -260,8 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
     _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD")
-    _bool_flag(g, "--reset-attention-mask", False, "(not supported: variants are causal over "
-               "the whole sequence)")
+    _bool_flag(g, "--reset-attention-mask", False, "documents end at EOD tokens: each micro-"
+               "batch runs as packed sequences (THD) so that no token attends across documents "
+               "(variants asa, ppa, standard)")
     _bool_flag(g, "--eod-mask-loss", False, "no loss on predicting the token after an EOD")
 
     g = p.add_argument_group("tokenizer")
@@ -424,12 +425,11 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "--decoder-first/last-pipeline-num-layers)")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to shard over
+    if args.reset_attention_mask:
+        _check_packed_sequences(parser, args)
     if args.sequence_parallel and args.seq_length % tp:
         parser.error(f"--sequence-parallel needs --seq-length={args.seq_length} divisible by "
                      f"--tensor-model-parallel-size={tp}")
-    if args.reset_attention_mask:
-        parser.error("--reset-attention-mask is not supported: every variant is causal over the "
-                     "whole sequence and reads no attention mask")
 
     # batch sizes
     dp = args.data_parallel_size
@@ -583,3 +583,23 @@ def fail(args: argparse.Namespace, message: str) -> None:
 
 def flag_for_field(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _check_packed_sequences(parser, args) -> None:
+    """--reset-attention-mask runs micro-batches as packed sequences: every layer's variant must
+    take them (the check runs before anything is built)."""
+    from ..attention import packed_sequence_variants  # noqa: PLC0415
+    from ..patterns import resolve_layer_pattern  # noqa: PLC0415
+
+    pattern = args.layer_pattern
+    if pattern is not None and "," in pattern:
+        pattern = [v.strip() for v in pattern.split(",") if v.strip()]
+    try:
+        layers = resolve_layer_pattern(pattern, args.attention_variant, args.num_layers)
+    except ValueError:
+        return  # the config's own check names the bad pattern
+    supported = packed_sequence_variants()
+    unsupported = sorted(set(layers) - set(supported))
+    if unsupported:
+        parser.error(f"--reset-attention-mask: the variant(s) {', '.join(unsupported)} do not take "
+                     f"packed sequences; allowed with it: {', '.join(supported)}")

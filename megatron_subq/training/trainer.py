@@ -254,10 +254,43 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
                                                     num_tokens.view(1).float()])}
 
 
-def forward_step(data_iterator, model):
+def pack_documents(batch: dict, eod: int):
+    """--reset-attention-mask: the [b, s] micro-batch as one THD row [1, b*s] of documents, each
+    ending after its EOD token or at its sample's end, and megatron's ``PackedSeqParams`` for it.
+    Attention (and RoPE, which restarts per document in THD) then never crosses a document."""
+    from megatron.core.packed_seq_params import PackedSeqParams  # noqa: PLC0415
+
+    tokens = batch["tokens"]
+    b, s = tokens.shape
+    row = {key: value.reshape(1, b * s) for key, value in batch.items()
+           if key in ("tokens", "labels", "loss_mask", "position_ids")}
+    ends = torch.cat([torch.zeros(1, dtype=torch.long, device=tokens.device),
+                      (tokens.reshape(-1) == eod).nonzero().flatten() + 1,
+                      torch.arange(1, b + 1, device=tokens.device) * s])
+    cu = torch.unique(ends).to(torch.int32)  # sorted; an EOD closing a sample counts once
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=s, max_seqlen_kv=s)  # bounds, no host sync
+    return row, params
+
+
+def forward_step(data_iterator, model, eod: Optional[int] = None):
     batch = to_device(next(data_iterator), _device())
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    packed = None
+    if eod is not None:
+        batch, packed = pack_documents(batch, eod)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=packed)
     return output, partial(loss_func, batch["loss_mask"])
+
+
+def schedule_kwargs(args) -> dict:
+    """What megatron's pipeline schedules need of a micro-batch: the step function and the shape
+    of the activations passed between stages ([b*s, 1, h] when documents are packed)."""
+    if args.reset_attention_mask:
+        return dict(forward_step_func=partial(forward_step, eod=args.eod_token),
+                    seq_length=args.seq_length * args.micro_batch_size, micro_batch_size=1)
+    return dict(forward_step_func=forward_step, seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size)
 
 
 def _reduce_losses(losses_reduced) -> Optional[torch.Tensor]:
@@ -279,9 +312,8 @@ def train_step(args, model, optimizer, scheduler, data_iterator):
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
-        num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, forward_only=False)
+        data_iterator=data_iterator, model=model, num_microbatches=get_num_microbatches(),
+        forward_only=False, **schedule_kwargs(args))
     update_successful, grad_norm, _ = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)
@@ -300,9 +332,8 @@ def evaluate(args, model, loader) -> Optional[float]:
     with torch.no_grad():
         for _ in range(args.eval_iters):
             losses = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iterator, model=model,
-                num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size, forward_only=True)
+                data_iterator=iterator, model=model, num_microbatches=get_num_microbatches(),
+                forward_only=True, **schedule_kwargs(args))
             reduced = _reduce_losses(losses)
             if reduced is not None:
                 total = reduced if total is None else total + reduced
@@ -335,6 +366,7 @@ def _run(args) -> Dict:
     vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                               args.tensor_model_parallel_size)
     config = build_config(args)
+    args.eod_token = tokenizer.eod  # document ends under --reset-attention-mask
     model = build_model(args, config, vocab)
     optimizer = scheduler = None
     if not args.skip_train:  # evaluation only needs the weights

@@ -31,6 +31,8 @@ from .standard import self_attention_spec
 class ASACoreAttention(SubqCoreAttention):
     """Causal ASA on this rank's heads. Parameters: ``p_q``, ``p_k`` ``[H_local, D, m]``."""
 
+    packed_sequences = True
+
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:
@@ -49,9 +51,12 @@ class ASACoreAttention(SubqCoreAttention):
         self.p_q = head_sharded_parameter(full_shape, init, config.params_dtype, device)
         self.p_k = head_sharded_parameter(full_shape, init, config.params_dtype, device)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, cu_seqlens=None):
         return asa_attention(q, k, v, self.p_q, self.p_k, normalize=self.config.asa_normalize,
-                             impl=self.config.subq_impl)
+                             impl=self.config.subq_impl, cu_seqlens=cu_seqlens)
+
+    def attend_packed(self, q, k, v, cu_seqlens):
+        return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the state restarts per document
 
 
 def attention_spec(config, layer_number: int, backend):
@@ -70,4 +75,5 @@ VARIANT = Variant(
     summary="causal linear attention with learned per-head softmax feature maps (P_Q, P_K)",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,
 )

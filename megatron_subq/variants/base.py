@@ -32,10 +32,12 @@ class Variant:
     variant's ``core_attention``, or a module of the variant's own where it needs its own
     projections. It must not depend on ``GPTModel`` so it fits ``MambaStack``'s attention slot.
     ``validate(config)`` runs in ``SubqTransformerConfig.__post_init__`` for the variants in use
-    and raises ``ValueError`` naming the field.
+    and raises ``ValueError`` naming the field. ``packed_sequences``: its attention takes
+    megatron's packed (THD) sequences and keeps the documents apart (``--reset-attention-mask``).
     """
 
     name: str
     summary: str
     attention_spec: Callable[..., ModuleSpec]
     validate: Callable[..., None] = _no_checks
+    packed_sequences: bool = False

@@ -17,9 +17,15 @@ from .standard import self_attention_spec
 class PPACoreAttention(SubqCoreAttention):
     """Query i attends key k <= i iff i-k <= ppa_window or i-k in S_p (p = ppa_power)."""
 
-    def attend(self, q, k, v):
+    packed_sequences = True
+
+    def attend(self, q, k, v, cu_seqlens=None):
         return ppa_attention(q, k, v, self.config.ppa_power, self.config.ppa_window,
-                             impl=self.config.subq_impl, scale=self.softmax_scale)
+                             impl=self.config.subq_impl, scale=self.softmax_scale,
+                             cu_seqlens=cu_seqlens)
+
+    def attend_packed(self, q, k, v, cu_seqlens):
+        return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the op restarts at each boundary
 
 
 def attention_spec(config, layer_number: int, backend: SpecBackend):
@@ -37,4 +43,5 @@ VARIANT = Variant(
     summary="power-based partial attention: window band + offsets where floor(j^p) increments",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,
 )

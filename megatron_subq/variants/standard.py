@@ -18,7 +18,10 @@ from .base import SpecBackend, Variant
 
 
 class SDPACoreAttention(SubqCoreAttention):
-    """Softmax attention through ``ops.standard_attention`` (scale 1/sqrt(d) unless configured)."""
+    """Softmax attention through ``ops.standard_attention`` (scale 1/sqrt(d) unless configured).
+    Packed sequences: one SDPA call per document (the default ``attend_packed``)."""
+
+    packed_sequences = True
 
     def attend(self, q, k, v):
         return standard_attention(q, k, v, causal=True, scale=self.softmax_scale,
@@ -53,4 +56,5 @@ VARIANT = Variant(
     name="standard",
     summary="causal softmax attention (Transformer++ baseline)",
     attention_spec=attention_spec,
+    packed_sequences=True,
 )
