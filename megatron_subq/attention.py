@@ -57,16 +57,18 @@ class SubqCoreAttention(MegatronModule):
         raise NotImplementedError
 
     def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
         """Packed sequences: q [1, T, H_local, D], k/v [1, T, H_kv_local, D], ``cu_seqlens``
         ``[0, end_1, ..., T]`` -> [1, T, H_local, D], each document causal on its own. This
-        default runs ``attend`` once per document; ops that take ``cu_seqlens`` override it."""
+        default runs ``attend`` once per document (``extra``: more per-token inputs of
+        ``attend``, sliced alike); ops that take ``cu_seqlens`` override it."""
         bounds = cu_seqlens.tolist()
-        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(bounds, bounds[1:])
-                if b > a]
+        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b],
+                            **{name: x[:, a:b] for name, x in extra.items()})
+                for a, b in zip(bounds, bounds[1:]) if b > a]
         return torch.cat(outs, dim=1)
 
-    def _forward_packed(self, query, key, value, packed_seq_params):
+    def _forward_packed(self, query, key, value, packed_seq_params, **extra):
         name = type(self).__name__
         if not self.packed_sequences:
             raise NotImplementedError(
@@ -75,9 +77,7 @@ class SubqCoreAttention(MegatronModule):
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"{name}: packed_seq_params.qkv_format="
                              f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
-        cu = packed_seq_params.cu_seqlens_q_padded
-        if cu is None:
-            cu = packed_seq_params.cu_seqlens_q
+        cu = packed_cu_seqlens(packed_seq_params)
         cu_kv = packed_seq_params.cu_seqlens_kv_padded
         if cu_kv is None:
             cu_kv = packed_seq_params.cu_seqlens_kv
@@ -85,9 +85,11 @@ class SubqCoreAttention(MegatronModule):
             raise ValueError(f"{name}: self-attention on packed sequences needs cu_seqlens_q "
                              "(and cu_seqlens_kv, if given, the same)")
         # megatron hands THD tensors over as [t, np, hn] (batch squeezed); accept [t, 1, np, hn]
-        q, k, v = (x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
-                   for x in (query, key, value))  # [1, t, h, d]
-        out = self.attend_packed(q, k, v, cu)[0]  # [t, np, hn]
+        def row(x):  # -> [1, t, h, d]
+            return x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
+
+        out = self.attend_packed(row(query), row(key), row(value), cu,
+                                 **{name: row(x) for name, x in extra.items()})[0]  # [t, np, hn]
         return out.reshape(out.shape[0], -1)  # [t, np*hn]: megatron adds the batch dim back
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -104,6 +106,12 @@ class SubqCoreAttention(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
+
+
+def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
+    """The document boundaries of megatron's THD ``packed_seq_params`` (padded ones if given)."""
+    cu = packed_seq_params.cu_seqlens_q_padded
+    return packed_seq_params.cu_seqlens_q if cu is None else cu
 
 
 def packed_sequence_variants() -> list:

@@ -378,9 +378,9 @@ def test_reset_attention_mask_trains_at_tp2_sp_and_pp2(data):
 
 
 def test_reset_attention_mask_needs_packing_variants(capsys):
-    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "superlinear"], capsys)
-    assert "--reset-attention-mask: the variant(s) superlinear do not take packed" in err
-    assert "allowed with it: asa, ppa, standard" in err
+    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "approx"], capsys)
+    assert "--reset-attention-mask: the variant(s) approx do not take packed" in err
+    assert "allowed with it: asa, ppa, standard, superlinear" in err
     err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "asa", "--layer-pattern",
                         "asa,sas"], capsys)
     assert "variant(s) sas do not" in err

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD")
     _bool_flag(g, "--reset-attention-mask", False, "documents end at EOD tokens: each micro-"
                "batch runs as packed sequences (THD) so that no token attends across documents "
-               "(variants asa, ppa, standard)")
+               "(variants asa, ppa, standard, superlinear)")
     _bool_flag(g, "--eod-mask-loss", False, "no loss on predicting the token after an EOD")
 
     g = p.add_argument_group("tokenizer")

@@ -34,7 +34,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from ..attention import SubqCoreAttention
+from ..attention import SubqCoreAttention, packed_cu_seqlens
 from ..ops import superlinear_attention
 from .base import SpecBackend, Variant
 from .standard import self_attention_spec
@@ -50,7 +50,10 @@ def superlinear_knobs(config) -> dict:
 
 
 class SuperlinearCoreAttention(SubqCoreAttention):
-    """``ops.superlinear_attention`` on this rank's heads; takes the search query as well."""
+    """``ops.superlinear_attention`` on this rank's heads; takes the search query as well.
+    Packed sequences: the op once per document (the default ``attend_packed``)."""
+
+    packed_sequences = True
 
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
@@ -66,16 +69,15 @@ class SuperlinearCoreAttention(SubqCoreAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, search_query=None):
-        # query, search_query: [s, b, np, hn]; key/value: [s, b, ng, hn]
-        if packed_seq_params is not None:
-            raise NotImplementedError("superlinear: packed sequences (packed_seq_params) are not "
-                                      "supported yet")
+        # query, search_query: [s, b, np, hn]; key/value: [s, b, ng, hn] (packed: [t, np, hn])
         if attention_bias is not None:
             raise ValueError("superlinear: attention_bias is not supported")
         if search_query is None or search_query.shape != query.shape:
             raise ValueError("superlinear: search_query must have the query's shape "
                              f"{tuple(query.shape)}, got "
                              f"{None if search_query is None else tuple(search_query.shape)}")
+        if packed_seq_params is not None:
+            return self._forward_packed(query, key, value, packed_seq_params, q_s=search_query)
         q, q_s, k, v = (x.transpose(0, 1) for x in (query, search_query, key, value))
         out = self.attend(q, k, v, q_s=q_s).transpose(0, 1)  # [s, b, np, hn]
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -128,13 +130,19 @@ class SuperlinearSelfAttention(SelfAttention):
                                       "not supported by this module yet")
         if key_value_states is not None:
             raise ValueError("superlinear: key_value_states (cross attention) is not supported")
-        if packed_seq_params is not None:
-            raise NotImplementedError("superlinear: packed sequences are not supported yet")
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"superlinear: packed_seq_params.qkv_format="
+                             f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
         if any(x is not None for x in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin)):
             raise ValueError("superlinear: precomputed rotary cos/sin (inference) are not supported")
 
         query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
         search_query = self.get_search_query(hidden_states)
+        cu_seqlens = None
+        if packed_seq_params is not None:  # THD as megatron's Attention: [t, 1, ..] -> [t, ..]
+            query, key, value, search_query = (x.squeeze(1)
+                                               for x in (query, key, value, search_query))
+            cu_seqlens = packed_cu_seqlens(packed_seq_params)  # RoPE restarts per document
 
         no_rope = (self.config.no_rope_freq[self.layer_number - 1]
                    if self.config.no_rope_freq else False)
@@ -142,14 +150,19 @@ class SuperlinearSelfAttention(SelfAttention):
             if not isinstance(rotary_pos_emb, tuple):
                 rotary_pos_emb = (rotary_pos_emb,) * 2
             q_pos_emb, k_pos_emb = rotary_pos_emb
-            rope = dict(config=self.config, cp_group=self.pg_collection.cp)
+            rope = dict(config=self.config, cu_seqlens=cu_seqlens,
+                        cp_group=self.pg_collection.cp)
             query = apply_rotary_pos_emb(query, q_pos_emb, **rope)
             search_query = apply_rotary_pos_emb(search_query, q_pos_emb, **rope)
             key = apply_rotary_pos_emb(key, k_pos_emb, **rope)
 
         core_out = self.core_attention(query, key, value, attention_mask,
                                        attn_mask_type=self.attn_mask_type,
-                                       attention_bias=attention_bias, search_query=search_query)
+                                       attention_bias=attention_bias,
+                                       packed_seq_params=packed_seq_params,
+                                       search_query=search_query)
+        if packed_seq_params is not None:
+            core_out = core_out.reshape(core_out.shape[0], 1, -1)  # [t, np*hn] -> [t, 1, h]
         return self.linear_proj(core_out)
 
     def backward_dw(self) -> None:
@@ -181,4 +194,5 @@ VARIANT = Variant(
     summary="Superlinear multi-step attention, N=2: power-law anchor search, top-k spans, gate",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,
 )
