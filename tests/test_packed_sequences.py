@@ -12,7 +12,8 @@ PACKED = packed_sequence_variants()
 
 
 def test_packed_variants_are_declared():
-    assert {"standard", "asa", "ppa", "superlinear"} <= set(PACKED)
+    assert {"standard", "asa", "ppa", "superlinear", "approx", "nonapprox", "sas", "mlp"} <= \
+        set(PACKED)
 
 
 def _check(results, atol=2e-5):
@@ -37,6 +38,9 @@ def test_packed_documents_tp2_sequence_parallel():
 
 
 def test_packed_sequences_refused_by_other_variants():
-    with pytest.raises(RuntimeError, match=r"not supported by this variant; supported: "
-                       + ", ".join(PACKED)):
-        run_distributed(packed_vs_separate_losses, 1, tp=1, args=({"attention_variant": "approx"},))
+    from megatron_subq.variants import VARIANTS
+
+    assert sorted(set(VARIANTS) - set(PACKED)) == ["fixed_seq_qk", "rnd_emb_qk", "static_emb_qk"]
+    with pytest.raises(RuntimeError, match="packed sequences .* not supported with the QK-source"):
+        run_distributed(packed_vs_separate_losses, 1, tp=1,
+                        args=({"attention_variant": "static_emb_qk"},))

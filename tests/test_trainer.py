@@ -378,12 +378,12 @@ def test_reset_attention_mask_trains_at_tp2_sp_and_pp2(data):
 
 
 def test_reset_attention_mask_needs_packing_variants(capsys):
-    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "approx"], capsys)
-    assert "--reset-attention-mask: the variant(s) approx do not take packed" in err
-    assert "allowed with it: asa, ppa, standard, superlinear" in err
+    err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "static_emb_qk"], capsys)
+    assert "--reset-attention-mask: the variant(s) static_emb_qk do not take packed" in err
+    assert "allowed with it: approx, asa, mlp, nonapprox, ppa, sas, standard, superlinear" in err
     err = _error(MIN + ["--reset-attention-mask", "--attention-variant", "asa", "--layer-pattern",
-                        "asa,sas"], capsys)
-    assert "variant(s) sas do not" in err
+                        "asa,rnd_emb_qk"], capsys)
+    assert "variant(s) rnd_emb_qk do not" in err
     arguments.parse_args(MIN + ["--reset-attention-mask", "--attention-variant", "ppa"])
 
 

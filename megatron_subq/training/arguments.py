@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD")
     _bool_flag(g, "--reset-attention-mask", False, "documents end at EOD tokens: each micro-"
                "batch runs as packed sequences (THD) so that no token attends across documents "
-               "(variants asa, ppa, standard, superlinear)")
+               f"(variants {', '.join(_packed_variants())})")
     _bool_flag(g, "--eod-mask-loss", False, "no loss on predicting the token after an EOD")
 
     g = p.add_argument_group("tokenizer")
@@ -603,3 +603,9 @@ def _check_packed_sequences(parser, args) -> None:
     if unsupported:
         parser.error(f"--reset-attention-mask: the variant(s) {', '.join(unsupported)} do not take "
                      f"packed sequences; allowed with it: {', '.join(supported)}")
+
+
+def _packed_variants() -> list:
+    from ..attention import packed_sequence_variants  # noqa: PLC0415
+
+    return packed_sequence_variants()

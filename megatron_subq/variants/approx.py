@@ -20,6 +20,8 @@ from .standard import self_attention_spec
 class ApproxCoreAttention(SubqCoreAttention):
     """o = mean(v) + normalised linear attention (identity features) + (element-wise squares)."""
 
+    packed_sequences = True  # the op once per document (SubqCoreAttention.attend_packed)
+
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:
@@ -45,4 +47,5 @@ VARIANT = Variant(
     summary="second-order Taylor linear attention, three separately normalised terms (Eq. 14-17)",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,
 )

@@ -119,4 +119,5 @@ VARIANT = Variant(
     summary="gated SiLU MLP in the attention slot, parameter-matched, no token mixing",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,  # no token mixing: documents cannot meet
 )

@@ -27,6 +27,8 @@ from .standard import self_attention_spec
 class NonapproxCoreAttention(SubqCoreAttention):
     """Causal softmax over time of s_j = SiLU(q_j).k_j / sqrt(d_h), applied to v."""
 
+    packed_sequences = True  # the op once per document (SubqCoreAttention.attend_packed)
+
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:
@@ -63,4 +65,5 @@ VARIANT = Variant(
     summary="softmax over time of one SiLU(q)-gated scalar per token (no pairwise q.k)",
     attention_spec=attention_spec,
     validate=validate,
+    packed_sequences=True,
 )

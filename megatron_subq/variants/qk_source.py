@@ -105,7 +105,9 @@ class QKSourceAttention(Attention):
             raise NotImplementedError(f"{type(self).__name__}: KV-cache inference is not "
                                       "implemented for the QK-source variants (docs/variants.md)")
         if kwargs.get("packed_seq_params") is not None:
-            raise NotImplementedError(f"{type(self).__name__}: packed sequences are not supported")
+            raise NotImplementedError(
+                f"{type(self).__name__}: packed sequences (packed_seq_params) are not supported by "
+                "this variant (its fixed Q/K rows belong to a whole micro-batch)")
         return super().forward(hidden_states, attention_mask, key_value_states, inference_context,
                                *args, **kwargs)
 
