@@ -28,7 +28,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
+from megatron_subq.testing.kernels import (  # noqa: E402
+    BOUNDS,
+    DEVICE,
+    count_calls,
+    kernel_package,
+    rel_rms,
+)
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
@@ -224,16 +230,8 @@ LAUNCH_ALONE = {
 
 
 def _count_calls(monkeypatch, names=("_forward_states",)):
-    """Count the calls of function.py's state helper, so that a test sees an option taken (a
-    numerical comparison alone would also pass if the option were ignored)."""
-    module = KERNEL.function
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        def counted(*args, _name=name, _fn=getattr(module, name), **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
-    return calls
+    """Calls of function.py's state helpers (``count_calls``)."""
+    return count_calls(monkeypatch, KERNEL.function, names)
 
 
 def _compare_with_state(B, T0, T, H, H_kv, D, seed=7):

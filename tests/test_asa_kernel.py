@@ -25,7 +25,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
+from megatron_subq.testing.kernels import (  # noqa: E402
+    BOUNDS,
+    DEVICE,
+    count_calls,
+    kernel_package,
+    rel_rms,
+)
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
@@ -195,16 +201,8 @@ ALL_OPTIONS = '{"keep_states": true, "fused_scan": true, "r_kernel": true}'
 
 
 def _count_calls(monkeypatch, names=("_chunk_states", "_scan", "_scan_pair")):
-    """Count the calls of function.py's state helpers, so that a test sees an option taken (a
-    numerical comparison alone would also pass if the option were ignored)."""
-    module = KERNEL.function
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        def counted(*args, _name=name, _fn=getattr(module, name), **kwargs):
-            calls[_name] += 1
-            return _fn(*args, **kwargs)
-        monkeypatch.setattr(module, name, counted)
-    return calls
+    """Calls of function.py's state helpers (``count_calls``)."""
+    return count_calls(monkeypatch, KERNEL.function, names)
 
 
 @pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)

@@ -43,3 +43,16 @@ def kernel_package(name: str) -> ModuleType:
                         f"{mod_name} was compiled for a GPU: set TRITON_INTERPRET=1 before triton "
                         "is imported (tests/conftest.py does) to run the kernels on the CPU")
     return pkg
+
+
+def count_calls(monkeypatch, module: ModuleType, names) -> dict:
+    """Wrap ``module``'s functions ``names`` (pytest's monkeypatch undoes it) so that their calls
+    are counted: a test then sees a launch option taken, where a numerical comparison alone
+    would also pass with the option ignored. Returns the live ``{name: calls}`` dict."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*args, _name=name, _fn=getattr(module, name), **kwargs):
+            calls[_name] += 1
+            return _fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, counted)
+    return calls
