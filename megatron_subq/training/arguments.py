@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where GPTDataset index files are cached (default beside the data)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
-    _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD")
+    _bool_flag(g, "--reset-position-ids", False, "restart position ids after each EOD (RoPE "
+               "reads no position ids: it restarts per document under --reset-attention-mask)")
     _bool_flag(g, "--reset-attention-mask", False, "documents end at EOD tokens: each micro-"
                "batch runs as packed sequences (THD) so that no token attends across documents "
                f"(variants {', '.join(_packed_variants())})")
