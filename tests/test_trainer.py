@@ -363,18 +363,29 @@ def test_reset_attention_mask_trains_at_tp2_sp_and_pp2(data):
     PP=2, whose stages exchange [b*s, 1, h] activations (the two layouts initialise differently,
     so their losses are not compared; tests/test_packed_sequences.py checks the math)."""
     runs = {}
-    for name, layout in (("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    save = data["work"] / "ckpt_packed"
+    for name, layout in (("tp2sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--save", str(save)]),
                          ("pp2", ["--pipeline-model-parallel-size", "2"])):
         metrics = data["work"] / f"packed_{name}.jsonl"
         _torchrun(TINY + data["flags"] + layout + [
             "--attention-variant", "asa", "--asa-rank", "8", "--reset-attention-mask",
-            "--seq-length", "256", "--train-iters", "3", "--lr-warmup-iters", "1", "--eval-iters", "0",
-            "--eval-interval", "100", "--metrics-file", str(metrics)],
+            "--seq-length", "256", "--train-iters", "3", "--lr-warmup-iters", "1",
+            "--eval-iters", "0", "--eval-interval", "100", "--metrics-file", str(metrics)],
             data["work"] / f"packed_{name}.log")
         runs[name] = {i: r["lm_loss"] for i, r in _metrics(metrics)[0].items()}
     for name, losses in runs.items():
         assert sorted(losses) == [1, 2, 3], name
         assert all(math.isfinite(v) and 5.0 < v < 12.0 for v in losses.values()), (name, losses)
+    # tools/evaluate.py evaluates such a checkpoint packed too (its stored flags), unless told not
+    # to: the held-out windows cross document ends, so the two losses differ
+    evals = {}
+    for name, extra in (("packed", []), ("unpacked", ["--no-reset-attention-mask"])):
+        out = data["work"] / f"eval_packed_{name}.json"
+        _torchrun(["--load", str(save), "--input", data["heldout"], "--output", str(out)] + extra,
+                  data["work"] / f"eval_packed_{name}.log", nproc=1, script=("tools", "evaluate.py"))
+        evals[name] = json.loads(out.read_text())["loss"]
+    assert math.isfinite(evals["packed"]) and evals["packed"] != evals["unpacked"]
 
 
 def test_reset_attention_mask_needs_packing_variants(capsys):

@@ -87,8 +87,8 @@ def main(argv=None) -> dict:
         _reduce_losses,
         build_config,
         build_model,
-        forward_step,
         initialize_distributed,
+        schedule_kwargs,
         teardown,
     )
 
@@ -129,6 +129,7 @@ def main(argv=None) -> dict:
                                           log=lambda *m: dist.get_rank() == 0 and print(*m))
         ids = tokenize_stream(own.input, own.json_key, tokenizer, own.max_documents)
         samples = windows(ids, args.seq_length, tokenizer.eod)
+        args.eod_token = tokenizer.eod  # document ends under --reset-attention-mask
         dp_rank = parallel_state.get_data_parallel_rank()
         dp_size = parallel_state.get_data_parallel_world_size()
         mbs = args.micro_batch_size
@@ -145,9 +146,10 @@ def main(argv=None) -> dict:
                     empty["loss_mask"] = torch.zeros(args.seq_length)
                     part.append(empty)
                 batch = {k: torch.stack([s[k] for s in part]) for k in part[0]}
+                # a model trained with --reset-attention-mask is evaluated the same way
                 losses = get_forward_backward_func()(
-                    forward_step_func=forward_step, data_iterator=iter([batch]), model=model,
-                    num_microbatches=1, seq_length=args.seq_length, micro_batch_size=mbs,
+                    data_iterator=iter([batch]), model=model, num_microbatches=1,
+                    **schedule_kwargs(args),
                     forward_only=True)
                 reduced = _reduce_losses(losses)
                 if reduced is not None:
