@@ -37,7 +37,7 @@ stage_tests() {
     pids+=($!)
   done
   wait "${pids[@]}"
-  for f in "$LOGS"/test_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error)' "$f" | tail -1)"; done
+  for f in "$LOGS"/test_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error|skipped)' "$f" | tail -1)"; done
 }
 
 stage_asa_ab() {
