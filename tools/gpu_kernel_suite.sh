@@ -14,6 +14,8 @@
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
 #   bash tools/gpu_kernel_suite.sh profile          # asa, nonapprox, approx: per-kernel time, GPU busy %
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
+# Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
+# carried cache, run one stage per call (compiling is most of the first call's time).
 # Back here: `mkdir -p /tmp/s && tar -xzf <files_at>/logs.tgz -C /tmp/s`, and
 # `cp <files_at>/tcache.tgz.a* .` for the next call (.tcache* is git-ignored via .git/info/exclude).
 set -uo pipefail
