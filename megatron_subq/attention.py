@@ -78,18 +78,15 @@ class SubqCoreAttention(MegatronModule):
             raise ValueError(f"{name}: packed_seq_params.qkv_format="
                              f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
         cu = packed_cu_seqlens(packed_seq_params)
-        cu_kv = packed_seq_params.cu_seqlens_kv_padded
-        if cu_kv is None:
-            cu_kv = packed_seq_params.cu_seqlens_kv
-        if cu is None or (cu_kv is not None and cu_kv is not cu and cu_kv.shape != cu.shape):
-            raise ValueError(f"{name}: self-attention on packed sequences needs cu_seqlens_q "
-                             "(and cu_seqlens_kv, if given, the same)")
-        # megatron hands THD tensors over as [t, np, hn] (batch squeezed); accept [t, 1, np, hn]
-        def row(x):  # -> [1, t, h, d]
+        if cu is None:
+            raise ValueError(f"{name}: packed sequences need packed_seq_params.cu_seqlens_q")
+        # self-attention: the key boundaries are the query ones (not compared: that would sync)
+
+        def row(x):  # megatron's THD [t, np, hn] (batch squeezed; [t, 1, np, hn] too) -> [1, t, ..]
             return x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
 
         out = self.attend_packed(row(query), row(key), row(value), cu,
-                                 **{name: row(x) for name, x in extra.items()})[0]  # [t, np, hn]
+                                 **{arg: row(x) for arg, x in extra.items()})[0]  # [t, np, hn]
         return out.reshape(out.shape[0], -1)  # [t, np*hn]: megatron adds the batch dim back
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

@@ -54,8 +54,9 @@ COMMON=(
   --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model mistral --num-workers 2
   --log-interval 10 --eval-interval 110 --eval-iters 4
 )
-# run names: <variant>_<layout>[_ref]; "std" is the standard variant, "_ref" forces the PyTorch
-# reference ops (--subq-impl reference) for a kernel-vs-reference loss-curve comparison
+# run names: <variant>_<layout>[_packed][_ref]; "std" is the standard variant, "_packed" adds
+# --reset-attention-mask (documents packed at their EODs), "_ref" forces the PyTorch reference ops
+# (--subq-impl reference) for a kernel-vs-reference loss-curve comparison
 declare -A LAYOUT=(
   [tp2sp]="--tensor-model-parallel-size 2 --sequence-parallel"
   [pp2]="--pipeline-model-parallel-size 2"
@@ -64,12 +65,13 @@ RUNS=("$@")
 [ ${#RUNS[@]} -gt 0 ] || RUNS=(std_tp2sp std_pp2 asa_tp2sp asa_pp2)
 
 run_flags() {  # run name -> trainer flags
-  local name=$1 impl="" variant layout
+  local name=$1 impl="" packed="" variant layout
   if [[ $name == *_ref ]]; then impl="--subq-impl reference"; name=${name%_ref}; fi
+  if [[ $name == *_packed ]]; then packed="--reset-attention-mask"; name=${name%_packed}; fi
   variant=${name%_*}; layout=${name##*_}
   [ "$variant" = std ] && variant=standard
   [ -n "${LAYOUT[$layout]+x}" ] || { echo "unknown layout in run $1 (have: ${!LAYOUT[*]})" >&2; return 2; }
-  echo "--attention-variant $variant ${LAYOUT[$layout]} $impl"
+  echo "--attention-variant $variant ${LAYOUT[$layout]} $packed $impl"
 }
 
 status=0

@@ -395,6 +395,9 @@ def _run(args) -> Dict:
         f"{args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {device_name}, "
         f"{flops_iter / 1e12:.3f} TFLOP per iteration")
+    if args.reset_attention_mask:
+        print_rank_0("> note: with --reset-attention-mask, TFLOP/s and MFU still count attention "
+                     "over whole sequences; documents are shorter (see docs/training.md)")
     for name in unmodelled_variants(config):
         print_rank_0(f"> note: FLOPs of variant {name!r} are not modelled; counted as standard "
                      "attention (see docs/training.md)")
