@@ -174,3 +174,23 @@ def test_source_checkout_finds_the_kernels(tmp_path):
                          text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(checkout / "kernels" / "asa" / "__init__.py")
+
+
+def test_reference_on_cuda_is_announced_once():
+    """CUDA inputs that end up on an op's PyTorch reference (no kernel importable, or sizes the
+    kernel does not cover) say so once per op: a silent fallback only shows as slow training."""
+    import warnings
+
+    from megatron_subq.ops import dispatch
+
+    class CudaLike:  # choose_impl only asks where a tensor lives
+        is_cuda = True
+
+    dispatch._WARNED_OPS.discard("some_op")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert dispatch.choose_impl("some_op", None, [CudaLike()], None) == "reference"
+        assert dispatch.choose_impl("some_op", "reference", [CudaLike()], None) == "reference"
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and messages[0].startswith("some_op: no Triton kernel")
