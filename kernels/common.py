@@ -7,6 +7,23 @@ import triton.language as tl
 INT32_MAX = 2**31 - 1
 
 
+def check_chunk_kernel_inputs(op: str, q, k, v, dtypes) -> tuple:
+    """The checks the nonapprox and approx kernels share, beyond ``ops.dispatch.check_qkv``: at
+    least one token, a dtype they compile for, v's head dim equal to q's. Returns
+    ``(B, T, H, H_kv, D)``."""
+    from megatron_subq.ops.dispatch import check_qkv  # noqa: PLC0415
+
+    B, T, H, H_kv, D = check_qkv(op, q, k, v)
+    if T < 1:
+        raise ValueError(f"{op}: q, k, v must hold at least one token (T >= 1)")
+    if q.dtype not in dtypes:
+        raise ValueError(f"{op}: q, k, v have dtype {q.dtype}; the kernel supports "
+                         f"{dtypes} (use impl='reference' for others)")
+    if v.shape[3] != D:
+        raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
+    return B, T, H, H_kv, D
+
+
 def check_int32_offsets(op: str, **sizes: int) -> None:
     """The kernels compute element offsets in 32-bit integers (Triton's type for int arguments
     and ``tl.arange``): refuse, with a message naming the tensor, any tensor of more elements

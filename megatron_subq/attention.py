@@ -9,9 +9,10 @@ slot, alike).
 Masks: every variant is causal by definition, so the causal ``attention_mask`` that megatron
 passes is implied and not read. Packed sequences (megatron's ``packed_seq_params`` in the THD
 layout: one row of documents back to back, ``cu_seqlens`` marking where each starts) run each
-document as its own causal sequence, for the variants whose class sets
-``packed_sequences = True``: through the op's own ``cu_seqlens`` (asa, ppa) or one ``attend`` per
-document (the default ``attend_packed``). The others refuse them with an error naming the variant.
+document as its own causal sequence: through the op's own ``cu_seqlens`` (asa, ppa) or one
+``attend`` per document (the default ``attend_packed``; every variant is causal per sequence).
+Which variants take them is the registry's ``Variant.packed_sequences``; the Q/K-source variants,
+the only ones that do not, refuse them in their own attention and model.
 """
 
 from __future__ import annotations
@@ -27,10 +28,6 @@ from .parallel import local_heads, sharded_state_dict_with_head_params
 
 class SubqCoreAttention(MegatronModule):
     """Base of every variant's core attention. Subclasses implement ``attend``."""
-
-    # whether packed sequences (THD, cu_seqlens) are supported: a variant says so once its
-    # ``attend_packed`` keeps documents apart (tests/test_packed_sequences.py checks each)
-    packed_sequences: bool = False
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
@@ -70,10 +67,6 @@ class SubqCoreAttention(MegatronModule):
 
     def _forward_packed(self, query, key, value, packed_seq_params, **extra):
         name = type(self).__name__
-        if not self.packed_sequences:
-            raise NotImplementedError(
-                f"{name}: packed sequences (packed_seq_params, e.g. --reset-attention-mask) are "
-                f"not supported by this variant; supported: {', '.join(packed_sequence_variants())}")
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"{name}: packed_seq_params.qkv_format="
                              f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
@@ -116,4 +109,4 @@ def packed_sequence_variants() -> list:
     from .variants import VARIANTS  # noqa: PLC0415 - variants import this module
 
     return sorted(name for name, variant in VARIANTS.items()
-                  if getattr(variant, "packed_sequences", False))
+                  if variant.packed_sequences)

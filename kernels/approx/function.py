@@ -14,9 +14,9 @@ import os
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
+from megatron_subq.ops.dispatch import triton_interpreting
 
-from ..common import check_int32_offsets
+from ..common import check_chunk_kernel_inputs, check_int32_offsets
 
 from .chunk import (
     approx_bwd_dk_kernel,
@@ -189,15 +189,8 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
     from megatron_subq.ops.approx import ApproxState, _check_eps, _check_state  # noqa: PLC0415
 
     op = "approx_attention_kernel"
-    B, T, H, H_kv, D = check_qkv(op, q, k, v)
+    B, T, H, H_kv, D = check_chunk_kernel_inputs(op, q, k, v, SUPPORTED_DTYPES)
     _check_eps(op, eps)
-    if T < 1:
-        raise ValueError(f"{op}: q, k, v must hold at least one token (T >= 1)")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: q, k, v have dtype {q.dtype}; the kernel supports "
-                         f"{SUPPORTED_DTYPES} (use impl='reference' for others)")
-    if v.shape[3] != D:
-        raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
     if D > MAX_HEAD_DIM:
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "

@@ -13,9 +13,9 @@ import math
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import check_qkv, triton_interpreting
+from megatron_subq.ops.dispatch import triton_interpreting
 
-from ..common import check_int32_offsets
+from ..common import check_chunk_kernel_inputs, check_int32_offsets
 
 from .chunk import (
     nonapprox_bwd_grad_kernel,
@@ -129,14 +129,7 @@ def nonapprox_attention_kernel(q, k, v, state=None, output_final_state: bool = F
     from megatron_subq.ops.nonapprox import NonapproxState, _check_state  # noqa: PLC0415
 
     op = "nonapprox_attention_kernel"
-    B, T, H, H_kv, D = check_qkv(op, q, k, v)
-    if T < 1:
-        raise ValueError(f"{op}: q, k, v must hold at least one token (T >= 1)")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: q, k, v have dtype {q.dtype}; the kernel supports "
-                         f"{SUPPORTED_DTYPES} (use impl='reference' for others)")
-    if v.shape[3] != D:
-        raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
+    B, T, H, H_kv, D = check_chunk_kernel_inputs(op, q, k, v, SUPPORTED_DTYPES)
     check_int32_offsets(op, q=q.numel(), k=k.numel())
     max0 = den0 = num0 = None
     if state is not None:

@@ -20,8 +20,6 @@ from .standard import self_attention_spec
 class ApproxCoreAttention(SubqCoreAttention):
     """o = mean(v) + normalised linear attention (identity features) + (element-wise squares)."""
 
-    packed_sequences = True  # the op once per document (SubqCoreAttention.attend_packed)
-
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:

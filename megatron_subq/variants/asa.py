@@ -31,8 +31,6 @@ from .standard import self_attention_spec
 class ASACoreAttention(SubqCoreAttention):
     """Causal ASA on this rank's heads. Parameters: ``p_q``, ``p_k`` ``[H_local, D, m]``."""
 
-    packed_sequences = True
-
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:

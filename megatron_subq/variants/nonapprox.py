@@ -27,8 +27,6 @@ from .standard import self_attention_spec
 class NonapproxCoreAttention(SubqCoreAttention):
     """Causal softmax over time of s_j = SiLU(q_j).k_j / sqrt(d_h), applied to v."""
 
-    packed_sequences = True  # the op once per document (SubqCoreAttention.attend_packed)
-
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:

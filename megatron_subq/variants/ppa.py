@@ -17,8 +17,6 @@ from .standard import self_attention_spec
 class PPACoreAttention(SubqCoreAttention):
     """Query i attends key k <= i iff i-k <= ppa_window or i-k in S_p (p = ppa_power)."""
 
-    packed_sequences = True
-
     def attend(self, q, k, v, cu_seqlens=None):
         return ppa_attention(q, k, v, self.config.ppa_power, self.config.ppa_window,
                              impl=self.config.subq_impl, scale=self.softmax_scale,

@@ -152,8 +152,6 @@ class SASCoreAttention(SubqCoreAttention):
     Submodules ``q_expansion``, ``k_expansion``, ``v_expansion`` (``SASExpansion``).
     """
 
-    packed_sequences = True  # the op once per document (SubqCoreAttention.attend_packed)
-
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         H, Hs, D = config.num_attention_heads, config.sas_heads, config.kv_channels

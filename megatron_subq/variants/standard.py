@@ -21,8 +21,6 @@ class SDPACoreAttention(SubqCoreAttention):
     """Softmax attention through ``ops.standard_attention`` (scale 1/sqrt(d) unless configured).
     Packed sequences: one SDPA call per document (the default ``attend_packed``)."""
 
-    packed_sequences = True
-
     def attend(self, q, k, v):
         return standard_attention(q, k, v, causal=True, scale=self.softmax_scale,
                                   impl=self.config.subq_impl)

@@ -53,8 +53,6 @@ class SuperlinearCoreAttention(SubqCoreAttention):
     """``ops.superlinear_attention`` on this rank's heads; takes the search query as well.
     Packed sequences: the op once per document (the default ``attend_packed``)."""
 
-    packed_sequences = True
-
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
         if self.softmax_scale is not None:
