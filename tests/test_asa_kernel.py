@@ -20,6 +20,8 @@ GPU sizes: the compiled kernels are verified (and used) for 32 < D, Dv ≤ 128 a
 """
 
 
+import json
+
 import pytest
 import torch
 
@@ -230,24 +232,48 @@ def test_launch_options_prefill_and_decode(normalize, monkeypatch):
     assert calls["_scan"] == 0 and calls["_scan_pair"] == 2
 
 
-# each option alone, and the default: (_chunk_states, _scan, _scan_pair) calls in fwd + bwd.
-# scan_block=8 splits S (12 x 16 values) into 24 blocks and z (12) into 2, behind them
+# the default (every option on), all off, and each option alone: (_chunk_states, _scan,
+# _scan_pair) calls in fwd + bwd. scan_block=8 splits S (12 x 16 values) into 24 blocks and z
+# (12) into 2, behind them
+OFF = '"keep_states": false, "fused_scan": false, "r_kernel": false'
 LAUNCH_ALONE = {
-    "default": ("{}", (2, 6, 0)),
-    "keep_states": ('{"keep_states": true}', (1, 4, 0)),
-    "fused_scan": ('{"fused_scan": true, "scan_block": 8}', (2, 0, 3)),
+    "default": ("{}", (1, 0, 2)),
+    "all-off": ("{%s}" % OFF, (2, 6, 0)),
+    "keep_states": ('{%s, "keep_states": true}' % OFF, (1, 4, 0)),
+    "fused_scan": ('{%s, "fused_scan": true, "scan_block": 8}' % OFF, (2, 0, 3)),
 }
 
 
 @pytest.mark.parametrize("shape", [SMALL_SHAPES[65], (2, 130, 4, 2, 24, 12, 40)])
 def test_launch_option_r_kernel(shape, monkeypatch):
     """r = −(dO·o)/den from asa_bwd_r_kernel (linear only): all gradients as the reference."""
-    monkeypatch.setenv(LAUNCH_ENV, '{"r_kernel": true}')
+    monkeypatch.setenv(LAUNCH_ENV, '{%s, "r_kernel": true}' % OFF)
     calls = _count_calls(monkeypatch, names=("_linear_r",))
     _compare(shape, "linear", torch.float32)
     assert calls == {"_linear_r": 1}
     _compare(shape, "mean", torch.float32)  # no r outside the linear normalisation
     assert calls == {"_linear_r": 1}
+
+
+# chunking: 128-token chunks (the compiled default), prefix sums over 1, 2 or 4 chunks per step
+# whether or not that divides the chunk count (T = 300: 5 chunks of 64, 3 of 128), Dv in blocks
+CHUNKING = ['{"BT": 128}', '{"scan_unroll": 1}', '{"scan_unroll": 2}',
+            '{"scan_unroll": 4, "scan_block": 16}', '{"scan_unroll": 2, "fused_scan": false}',
+            '{"BV_bwd": 16}']  # the gradient kernel's loop over Dv blocks (Dv = 24: two)
+
+
+@pytest.mark.parametrize("launch", CHUNKING)
+def test_launch_chunking(launch, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    _compare((1, 300, 2, 1, 32, 16, 24), "linear", torch.float32)
+    _compare_packed("mean", torch.float32, bounds=[0, 1, 66, 66, 130, 131, 300])
+    _check_prefill_decode("linear")  # an initial and a final state through the scans
+
+
+def test_launch_option_dl_half(monkeypatch):
+    """dℓ kept in the inputs' half dtype between the gradient and dP kernels."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"dl_half": true}')
+    _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
@@ -307,11 +333,20 @@ def test_kernel_packed_sequences_gpu(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32"])
+@pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32", "bt128-gqa-bf16",
+                                  "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
-    """keep_states and fused_scan compiled (the A/B candidates of tools/bench_ops.py)."""
-    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
-    if case == "gqa-bf16":
+    """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
+    chunks as well (half the chunk states and scan steps)."""
+    launch = json.loads(ALL_OPTIONS)
+    if case.startswith("bt128"):
+        launch["BT"] = 128
+    if case.startswith("dlhalf"):
+        launch["dl_half"] = True
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))
+    if case.endswith("long-fp16"):
+        _compare(GPU_SHAPES["long"], "linear", torch.float16)
+    elif case.endswith("gqa-bf16"):
         _compare(GPU_SHAPES["gqa"], "linear", torch.bfloat16)
     else:
         _compare_packed("linear", torch.float32, bounds=[0, 1, 700, 1000, 1001, 1064, 2048],

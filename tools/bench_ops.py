@@ -470,6 +470,35 @@ def _profile(name: str, fn, top: int = 15) -> dict:
     return {"total": total, "wall": wall, **ranked}
 
 
+def _host_profile(name: str, fn, calls: int, top: int = 25) -> float:
+    """Host (Python) time per call of ``fn``, and where it goes (cProfile, own time).
+
+    The calls are issued back to back and synchronised once at the end; at short lengths the
+    GPU finishes each call's kernels before the host has issued the next, so this time, not
+    the kernels', is what do_bench measures there."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    host_us = (time.perf_counter() - start) * 1e6 / calls
+    torch.cuda.synchronize()
+    print(f"host profile {name}: {host_us:.0f} us of host time per call (under cProfile)",
+          flush=True)
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    for (path, line, func), (_cc, ncalls, own, cum, _callers) in rows:
+        print(f"  {1e6 * own / calls:8.1f} us own {1e6 * cum / calls:8.1f} us cum "
+              f"{ncalls // calls:4d}x  {os.path.basename(path)}:{line} {func}", flush=True)
+    return host_us
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--ops", default="asa", help=f"comma list of {sorted(OP_BENCHES)}")
@@ -499,6 +528,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also print each of our rows' per-kernel CUDA time of one fwd+bwd "
                         "(torch.profiler) and store it in the JSON")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="also run N fwd+bwd calls of each of our rows under cProfile and print "
+                        "the host time per call and the functions that take it")
     p.add_argument("--json", default="", help="write the results here")
     p.add_argument("--plot", default="", help="write a log-log plot of time vs length (PNG)")
     p.add_argument("--replot", default="", help="print the table and plot of a saved JSON "
@@ -554,6 +586,9 @@ def main(argv=None) -> int:
                         rec["profile_us"] = _profile(name, fwd_bwd or fwd)
                     except Exception as e:  # noqa: BLE001 - a profiler failure must not cost the row
                         print(f"profile of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                if args.host_profile and build in OP_BENCHES.values():
+                    rec["host_us_per_call"] = _host_profile(name, fwd_bwd or fwd,
+                                                            args.host_profile)
                 if rec.get("fwd_min_bytes") and rec.get("fwd_ms"):
                     rec["fwd_GBps_of_min_bytes"] = rec["fwd_min_bytes"] / rec["fwd_ms"] / 1e6
                 if rec.get("fwd_flops") and rec.get("fwd_ms"):

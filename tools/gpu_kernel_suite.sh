@@ -10,9 +10,11 @@
 #
 # From the project root on the device, after `source .whl/setup.sh`:
 #   bash tools/gpu_kernel_suite.sh tests            # every kernel's GPU tests (pytest -m gpu)
+#   bash tools/gpu_kernel_suite.sh asa              # ASA's GPU tests, then its default vs candidates
 #   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
-#   bash tools/gpu_kernel_suite.sh profile          # asa, nonapprox, approx: per-kernel time, GPU busy %
+#   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
+#   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
 # Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
 # carried cache, run one stage per call (compiling is most of the first call's time).
@@ -43,13 +45,48 @@ stage_tests() {
 }
 
 stage_asa_ab() {
-  # default launch vs the options not yet made default (each must also pass the GPU tests)
+  # default launch vs the options not yet made default: their GPU tests first (BT = 128 too),
+  # then the A/B (ALL: the three options together)
+  (cd /tmp && timeout "$STAGE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
+     -k launch_options_gpu "$R/tests/test_asa_kernel.py" > "$LOGS/test_asa_options.log" 2>&1)
+  tail -3 "$LOGS/test_asa_options.log"
+  local ALL='"keep_states": true, "fused_scan": true, "r_kernel": true'
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 2048,16384,65536 --profile \
     --asa-launch '{}' --asa-launch '{"keep_states": true}' --asa-launch '{"fused_scan": true}' \
-    --asa-launch '{"r_kernel": true}' --asa-launch '{"keep_states": true, "fused_scan": true, "r_kernel": true}' \
-    --asa-launch '{"keep_states": true, "fused_scan": true, "r_kernel": true, "BT": 128}' \
+    --asa-launch '{"r_kernel": true}' --asa-launch "{$ALL}" --asa-launch "{$ALL, \"BT\": 128}" \
+    --asa-launch "{$ALL, \"bwd_warps\": 4}" --asa-launch "{$ALL, \"BT\": 128, \"stages\": 1}" \
     --json "$LOGS/bench_asa_ab.json" > "$LOGS/bench_asa_ab.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_ab.log" | tail -40
+}
+
+gpu_tests() {
+  # every GPU test id of the given test files in its own process, 15 at a time: a test's time is
+  # almost all Triton compiling, which runs on one core per process. Log: $LOGS/tests_$1.log
+  local tag=$1; shift
+  (cd /tmp && python3 -m pytest -q -p no:cacheprovider -m gpu --collect-only "$@" 2>/dev/null \
+     | grep '::' | sed "s|^tests/|$R/tests/|" > "$LOGS/ids_$tag.txt")
+  (cd /tmp && xargs -P 15 -I{} -d '\n' timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s \
+     -p no:cacheprovider -m gpu "{}" < "$LOGS/ids_$tag.txt" > "$LOGS/tests_$tag.log" 2>&1)
+  echo "$tag: $(wc -l < "$LOGS/ids_$tag.txt") test ids; $(grep -cE '^[0-9]+ passed' "$LOGS/tests_$tag.log") passed," \
+       "$(grep -cE '(failed|error)' "$LOGS/tests_$tag.log") failed/errors"
+  grep -E '(FAILED|ERROR|Error|rc 1)' "$LOGS/tests_$tag.log" | head -20
+}
+
+stage_asa() {
+  # ASA alone after a kernel change: its GPU tests, then its default launch against the
+  # baselines (where the time goes: per kernel, and on the host at short lengths)
+  gpu_tests asa "$R/tests/test_asa_kernel.py"
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla \
+    --lengths 2048,4096,8192,16384,32768,65536,131072 --profile --host-profile 50 \
+    --json "$LOGS/bench_asa.json" > "$LOGS/bench_asa.log" 2>&1
+  grep -v '^{' "$LOGS/bench_asa.log" | grep -v '^ *[0-9.]* us ' | tail -30
+}
+
+stage_ppa_long() {
+  # PPA where the issue measures it (64K) without the slow baselines: our kernel and cuDNN only
+  timeout "$STAGE_TIMEOUT" $BENCH --ops ppa --baselines dense --ppa-dense-gap 8 --ppa-flex-max-len 0 \
+    --lengths 32768,65536 --profile --json "$LOGS/bench_ppa_long.json" > "$LOGS/bench_ppa_long.log" 2>&1
+  grep -v '^{' "$LOGS/bench_ppa_long.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
 
 stage_sparse_bench() {
@@ -66,10 +103,10 @@ stage_sparse_bench() {
 }
 
 stage_profile() {
-  # where each op's time goes at a short and a long length: per-kernel CUDA time and how busy
-  # the GPU is kept (launch/host overhead shows as a low busy fraction)
-  timeout "$STAGE_TIMEOUT" $BENCH --ops asa,nonapprox,approx --baselines "" --lengths 2048,16384 \
-    --profile --json "$LOGS/bench_profile.json" > "$LOGS/bench_profile.log" 2>&1
+  # where nonapprox's and approx's time goes at a short and a long length: per-kernel CUDA time,
+  # how busy the GPU is kept, and the host's share (asa has its own stage)
+  timeout "$STAGE_TIMEOUT" $BENCH --ops nonapprox,approx --baselines dense --lengths 2048,16384 \
+    --profile --host-profile 50 --json "$LOGS/bench_profile.json" > "$LOGS/bench_profile.log" 2>&1
   grep -v '^{' "$LOGS/bench_profile.log" | tail -60
   # approx's keep_states option (read from its env var; bench_ops has no flag for it)
   MEGATRON_SUBQ_APPROX_LAUNCH='{"keep_states": true}' timeout "$STAGE_TIMEOUT" $BENCH --ops approx \
@@ -82,10 +119,12 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 for stage in "$@"; do
   case $stage in
     tests) stage_tests ;;
+    asa) stage_asa ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
-    *) echo "unknown stage $stage (have: tests asa-ab sparse-bench profile)"; exit 2 ;;
+    ppa-long) stage_ppa_long ;;
+    *) echo "unknown stage $stage (have: tests asa asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -46,38 +46,47 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
     per program of the dP reduction; scan: "parallel" (per-chunk deltas in parallel, then a
     streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
-    its latency grows with T/BT); scan_block, scan_warps, scan_stages: the prefix-sum kernel's
-    values per program, warps and stages.
+    its latency grows with T/BT); scan_block, scan_unroll, scan_warps, scan_stages: the
+    prefix-sum kernel's values per program, chunks per step, warps and stages.
 
-    Three options, all off by default until measured and GPU-tested (A/B runs):
+    Three switches, on by default since the A/B of docs/benchmarks.md (H100, 2026-11-22: 2.79 ms
+    → 1.44 ms fwd+bwd at T = 16K together with BT = 128 and stages = 1):
 
-    * keep_states: the forward saves its chunk states S_c, z_c (fp32, B·H·NT·m·(Dv + 1) values,
-      whichever scan made them) for the backward, which otherwise recomputes them (a delta
-      kernel and two scans, or the sequential state kernel) — memory traded for time;
+    * keep_states: the forward saves its chunk states S_c, z_c (fp32, B·H·NT·m·(Dv + 1) values)
+      for the backward, which otherwise recomputes them (a delta kernel and a scan, or the
+      sequential state kernel) — memory traded for time;
     * fused_scan: the parallel path's S and z prefix sums (forward states and backward reverse
       states, packed sequences included) run in one launch (``asa_chunk_scan_pair_kernel``)
       instead of two;
     * r_kernel: the linear normalisation's r = −(dO·o)/den comes from ``asa_bwd_r_kernel``, which
-      reads dO and o once in their own dtype, instead of torch ops on fp32 copies of both (0.42 of
-      2.77 ms of kernel time at T = 16K on an H100).
+      reads dO and o once in their own dtype, instead of torch ops on fp32 copies of both.
 
-    ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON) overrides any of them.
+    dl_half (on; H100 A/B: dP 144 → 86 µs at T = 16K): the feature-logit gradients dℓ, written
+    by the gradient kernel and read by the dP reduction, in the inputs' half dtype instead of
+    fp32 (half the bytes; dP's products then run on half operands, accumulated in fp32).
+
+    The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
+    boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
+    overrides any value.
     """
     # compiled, the feature tile is at least 64 wide: with m padded to 32, fp16/bf16 inputs hit an
     # illegal memory access on an H100 (Triton 3.6, 2026-11-22; fp32 was fine) — padded features
     # cost a little compute and are masked to zero like any other padding
+    interpreting = triton_interpreting()
     BD, BV_all = _pow2(D), _pow2(Dv)
-    BM = _pow2(m, floor=16 if triton_interpreting() else 64)
+    BM = _pow2(m, floor=16 if interpreting else 64)
     big = max(BD, BM, BV_all) > 64
     cfg = dict(
-        BT=64, BD=BD, BM=BM,
+        # 128-token chunks halve the chunk states and scan steps; tiles wider than 128 (d_h or
+        # m of 256) keep 64 so a chunk's tiles still fit in registers and shared memory
+        BT=64 if interpreting or max(BD, BM, BV_all) > 128 else 128, BD=BD, BM=BM,
         BV_state=min(64, BV_all),  # state scans: split Dv for more programs in the scan
         BV_out=min(128, BV_all),
-        BV_bwd=min(64, BV_all),
+        BV_bwd=min(128 if BV_all <= 128 else 64, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
-        stages=2, CPG=16, scan="parallel", scan_block=1024, scan_warps=4, scan_stages=3,
-        keep_states=False, fused_scan=False, r_kernel=False,
+        stages=1, CPG=16, scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
+        scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -127,7 +136,8 @@ def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None):
     asa_chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
         delta, out, init if init is not None else out, final,
         chunks if chunks is not None else out, NT, L,
-        BLOCK=cfg["scan_block"], HAS_INIT=init is not None, STORE_FINAL=store_final,
+        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=init is not None,
+        STORE_FINAL=store_final,
         REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
         num_stages=cfg["scan_stages"])
     return out, (final if store_final else None)
@@ -151,7 +161,8 @@ def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, c
         delta, out, init if has_init else out, final,
         dz, z_out, z_init if has_init else z_out, z_final,
         chunks if chunks is not None else out, NT, LS, LZ, n_s,
-        BLOCK=cfg["scan_block"], HAS_INIT=has_init, STORE_FINAL=store_final,
+        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=has_init,
+        STORE_FINAL=store_final,
         REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
         num_stages=cfg["scan_stages"])
     return out, z_out, ((final, z_final) if store_final else None)
@@ -319,8 +330,10 @@ class ASAChunkFunction(torch.autograd.Function):
         dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
         dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
         dv_h = torch.empty(B, T, H, Dv, dtype=kv_grad_dtype, device=q.device)
-        dlq = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
-        dlk = torch.empty(B, T, H, m, dtype=torch.float32, device=q.device)
+        # dℓ (the feature logits' gradients) stay in HBM until dP: fp32, or the inputs' dtype
+        dl_dtype = q.dtype if cfg["dl_half"] else torch.float32
+        dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
+        dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):
             asa_bwd_chunk_kernel[(NT, B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
