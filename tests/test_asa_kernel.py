@@ -270,10 +270,14 @@ def test_launch_chunking(launch, monkeypatch):
     _check_prefill_decode("linear")  # an initial and a final state through the scans
 
 
-def test_launch_option_dl_half(monkeypatch):
-    """dℓ kept in the inputs' half dtype between the gradient and dP kernels."""
-    monkeypatch.setenv(LAUNCH_ENV, '{"dl_half": true}')
+@pytest.mark.parametrize("launch", ['{"dl_half": false}', '{"states_half": true}',
+                                    '{"states_half": true, "fused_scan": false}'])
+def test_launch_option_half_buffers(launch, monkeypatch):
+    """dℓ (between the gradient and dP kernels; half by default) and the chunk states (fp32 by
+    default) in either precision, with half inputs."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
+    _compare_packed("mean", torch.float16)
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
@@ -334,7 +338,8 @@ def test_kernel_packed_sequences_gpu(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32", "bt128-gqa-bf16",
-                                  "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16"])
+                                  "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16",
+                                  "stateshalf-gqa-bf16", "stateshalf-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
     """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
     chunks as well (half the chunk states and scan steps)."""
@@ -343,6 +348,8 @@ def test_launch_options_gpu(case, monkeypatch):
         launch["BT"] = 128
     if case.startswith("dlhalf"):
         launch["dl_half"] = True
+    if case.startswith("stateshalf"):
+        launch["states_half"] = True
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))
     if case.endswith("long-fp16"):
         _compare(GPU_SHAPES["long"], "linear", torch.float16)

@@ -60,10 +60,11 @@ stage_asa_ab() {
 }
 
 gpu_tests() {
-  # every GPU test id of the given test files in its own process, 15 at a time: a test's time is
-  # almost all Triton compiling, which runs on one core per process. Log: $LOGS/tests_$1.log
+  # every GPU test id of the given test files (those matching $GPU_K if set) in its own process,
+  # 15 at a time: a test's time is almost all Triton compiling, one core per process.
+  # Log: $LOGS/tests_$1.log
   local tag=$1; shift
-  (cd /tmp && python3 -m pytest -q -p no:cacheprovider -m gpu --collect-only "$@" 2>/dev/null \
+  (cd /tmp && python3 -m pytest -q -p no:cacheprovider -m gpu -k "${GPU_K:-}" --collect-only "$@" 2>/dev/null \
      | grep '::' | sed "s|^tests/|$R/tests/|" > "$LOGS/ids_$tag.txt")
   (cd /tmp && xargs -P 15 -I{} -d '\n' timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s \
      -p no:cacheprovider -m gpu "{}" < "$LOGS/ids_$tag.txt" > "$LOGS/tests_$tag.log" 2>&1)
@@ -87,6 +88,16 @@ stage_ppa_long() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops ppa --baselines dense --ppa-dense-gap 8 --ppa-flex-max-len 0 \
     --lengths 32768,65536 --profile --json "$LOGS/bench_ppa_long.json" > "$LOGS/bench_ppa_long.log" 2>&1
   grep -v '^{' "$LOGS/bench_ppa_long.log" | grep -v '^ *[0-9.]* us ' | tail -12
+}
+
+stage_asa_check() {
+  # after a change of ASA's launch options: the GPU tests matching $GPU_K, then the default
+  # against the candidate option(s) at 16K and 64K
+  gpu_tests asa "$R/tests/test_asa_kernel.py"
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 16384,65536 --profile \
+    --asa-launch '{}' --asa-launch '{"states_half": true}' \
+    --json "$LOGS/bench_asa_check.json" > "$LOGS/bench_asa_check.log" 2>&1
+  grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
 
 stage_sparse_bench() {
@@ -120,11 +131,12 @@ for stage in "$@"; do
   case $stage in
     tests) stage_tests ;;
     asa) stage_asa ;;
+    asa-check) stage_asa_check ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

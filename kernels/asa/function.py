@@ -65,6 +65,10 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     by the gradient kernel and read by the dP reduction, in the inputs' half dtype instead of
     fp32 (half the bytes; dP's products then run on half operands, accumulated in fp32).
 
+    states_half (off until measured): the chunk states S_c and dS_c (the scans' outputs, read
+    by the output and gradient kernels) stored in the inputs' half dtype; the per-chunk deltas,
+    the running sums and the final state stay fp32.
+
     The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
     boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
     overrides any value.
@@ -76,17 +80,20 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     BD, BV_all = _pow2(D), _pow2(Dv)
     BM = _pow2(m, floor=16 if interpreting else 64)
     big = max(BD, BM, BV_all) > 64
+    big_tiles = max(BD, BM, BV_all) > 128 or dtype == torch.float32
     cfg = dict(
         # 128-token chunks halve the chunk states and scan steps; tiles wider than 128 (d_h or
-        # m of 256) keep 64 so a chunk's tiles still fit in registers and shared memory
-        BT=64 if interpreting or max(BD, BM, BV_all) > 128 else 128, BD=BD, BM=BM,
+        # m of 256) and fp32 tiles (twice the bytes; fp32 is for checking, not for speed) keep
+        # 64 so a chunk's tiles still fit in registers and shared memory
+        BT=64 if interpreting or big_tiles else 128, BD=BD, BM=BM,
         BV_state=min(64, BV_all),  # state scans: split Dv for more programs in the scan
         BV_out=min(128, BV_all),
-        BV_bwd=min(128 if BV_all <= 128 else 64, BV_all),
+        BV_bwd=min(64 if big_tiles else 128, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
         stages=1, CPG=16, scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
         scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
+        states_half=False,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -125,12 +132,14 @@ def _num_chunks(T: int, cfg, chunks: Optional[torch.Tensor]) -> int:
     return triton.cdiv(T, cfg["BT"]) if chunks is None else chunks.shape[0]
 
 
-def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None):
-    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32); the final sum too.
+def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
+          out_dtype=torch.float32):
+    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32 sums, stored in
+    ``out_dtype``); the final sum too (fp32).
     With a chunk table (packed sequences) the sums restart at every sequence."""
     B, H, NT = delta.shape[:3]
     L = delta[0, 0, 0].numel()
-    out = torch.empty_like(delta)
+    out = torch.empty_like(delta, dtype=out_dtype)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
     asa_chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
@@ -143,13 +152,14 @@ def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None):
     return out, (final if store_final else None)
 
 
-def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, chunks=None):
+def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, chunks=None,
+               out_dtype=torch.float32):
     """``_scan`` of the S deltas [B, H, NT, m, Dv] and the z deltas [B, H, NT, m] in one launch
-    (cfg fused_scan): (S sums, z sums, (S final, z final) or None)."""
+    (cfg fused_scan): (S sums in ``out_dtype``, z sums, (S final, z final) or None)."""
     B, H, NT = delta.shape[:3]
     LS, LZ = delta[0, 0, 0].numel(), dz[0, 0, 0].numel()
     has_init = init is not None
-    out, z_out = torch.empty_like(delta), torch.empty_like(dz)
+    out, z_out = torch.empty_like(delta, dtype=out_dtype), torch.empty_like(dz)
     final, z_final = out, z_out  # unwritten unless store_final
     if store_final:
         final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
@@ -168,13 +178,21 @@ def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, c
     return out, z_out, ((final, z_final) if store_final else None)
 
 
+def _state_dtype(x: torch.Tensor, cfg) -> torch.dtype:
+    """The stored chunk states' dtype: the inputs' half dtype with cfg states_half, else fp32."""
+    return x.dtype if cfg["states_half"] else torch.float32
+
+
 def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None):
     """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
     B, T, _, D = x.shape
     Dv, m = y.shape[3], p.shape[2]
     NT = _num_chunks(T, cfg, chunks)
     delta = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=x.device)
-    dz = torch.zeros(B, H, NT, m, dtype=torch.float32, device=x.device)
+    # every program writes its dz except in the backward without the linear normalisation
+    # (no r), where the z sums are unused but still scanned: zeros then, else no fill launch
+    alloc = torch.zeros if backward and norm != 0 else torch.empty
+    dz = alloc(B, H, NT, m, dtype=torch.float32, device=x.device)
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
     asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg["BV_state"]), B * H)](
@@ -193,9 +211,10 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     Dv, m = v.shape[3], p_k.shape[2]
     if cfg["scan"] == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0, chunks)
+        dtype = _state_dtype(k, cfg)
         if cfg["fused_scan"]:
-            return _scan_pair(delta, dz, s0, z0, cfg, False, store_final, chunks)
-        states, s_final = _scan(delta, s0, cfg, False, store_final, chunks)
+            return _scan_pair(delta, dz, s0, z0, cfg, False, store_final, chunks, dtype)
+        states, s_final = _scan(delta, s0, cfg, False, store_final, chunks, dtype)
         zs, z_final = _scan(dz, z0, cfg, False, store_final, chunks)
         return states, zs, (s_final, z_final) if store_final else None
     if cfg["scan"] != "sequential":
@@ -227,9 +246,10 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     Dv, m = d_o.shape[3], p_q.shape[2]
     if cfg["scan"] == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
+        dtype = _state_dtype(q, cfg)
         if cfg["fused_scan"]:
-            return _scan_pair(delta, dz, None, None, cfg, True, False, chunks)[:2]
-        return (_scan(delta, None, cfg, True, False, chunks)[0],
+            return _scan_pair(delta, dz, None, None, cfg, True, False, chunks, dtype)[:2]
+        return (_scan(delta, None, cfg, True, False, chunks, dtype)[0],
                 _scan(dz, None, cfg, True, False, chunks)[0])
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
     dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
@@ -280,6 +300,9 @@ class ASAChunkFunction(torch.autograd.Function):
         chunks = None if seq_bounds is None else chunk_table(seq_bounds, cfg["BT"], q.device)
         if s0 is not None:
             s0, z0 = s0.contiguous(), z0.contiguous()
+        if norm != 2:
+            seen = None  # only "mean" reads the count of earlier tokens
+        elif s0 is not None:
             seen = z0.sum(dim=-1).reshape(B * H).contiguous()  # tokens before (each k' sums to 1)
         else:
             seen = torch.zeros(B * H, dtype=torch.float32, device=q.device)
@@ -290,7 +313,8 @@ class ASAChunkFunction(torch.autograd.Function):
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         grid = (NT, triton.cdiv(Dv, cfg["BV_out"]), B * H)
         asa_fwd_out_kernel[grid](
-            q, k, v, p_q, p_k, states, zs, seen, o, den, chunks if chunks is not None else den,
+            q, k, v, p_q, p_k, states, zs, den if seen is None else seen, o, den,
+            chunks if chunks is not None else den,
             T, H, G, D, m, Dv, NT,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
