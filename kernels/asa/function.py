@@ -104,12 +104,15 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
     """Whether the compiled (GPU) kernels are verified for these sizes.
 
-    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6): padded D and Dv of 64 or 128 and
-    m up to 128 (the feature tile padded to 64 or 128, see ``_launch``), i.e. 32 < D, Dv <= 128
-    and 16 < m <= 128. Other sizes (d_h = 256 among them) are refused on CUDA until verified
-    there. The interpreter (CPU) runs every size.
+    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6, 2026-11-22): D and Dv padded to
+    64, 128 or 256 and m up to 256 (the feature tile padded to at least 64, see ``_launch``),
+    except d_h or d_v of 256 together with m > 64, which no GPU test has run yet (the tile
+    candidates in the tests say which pass: d256-m32, d256-m64 and d128-m256 did). Other sizes
+    are refused on CUDA until verified there. The interpreter (CPU) runs every size.
     """
-    return _pow2(D) in (64, 128) and _pow2(Dv) in (64, 128) and _pow2(m) in (32, 64, 128)
+    wide = max(_pow2(D), _pow2(Dv)) == 256
+    return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
+            and _pow2(m) in (32, 64, 128, 256) and not (wide and _pow2(m) > 64))
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -395,8 +398,8 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
             f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
-            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 128, "
-            "16 < m <= 128); use impl='reference' or impl=None")
+            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 256, 16 < m <= "
+            "256, m <= 64 when D or Dv > 128); use impl='reference' or impl=None")
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
