@@ -222,10 +222,11 @@ def test_kernel_rejects_bad_arguments():
 # launch options ($MEGATRON_SUBQ_APPROX_LAUNCH)
 # ------------------------------------------------------------------------------------------
 LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
-# option -> (launch JSON, _forward_states calls in fwd + bwd): kept states spare the recompute
+# option -> (launch JSON, _forward_states calls in fwd + bwd): kept states (the default) spare
+# the recompute
 LAUNCH_ALONE = {
-    "default": ("{}", 1 + 1),
-    "keep_states": ('{"keep_states": true}', 1),
+    "default": ("{}", 1),
+    "recompute": ('{"keep_states": false}', 1 + 1),
 }
 
 

@@ -13,6 +13,7 @@
 #   bash tools/gpu_kernel_suite.sh asa              # ASA's GPU tests, then its default vs candidates
 #   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
+#   bash tools/gpu_kernel_suite.sh deconstructed    # nonapprox, approx: GPU tests, then the table
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
@@ -100,6 +101,15 @@ stage_asa_check() {
   grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
 
+stage_deconstructed() {
+  # nonapprox and approx: their GPU tests, then the benchmark table of docs/benchmarks.md
+  gpu_tests deconstructed "$R/tests/test_nonapprox_kernel.py" "$R/tests/test_approx_kernel.py"
+  timeout "$STAGE_TIMEOUT" $BENCH --ops nonapprox,approx --baselines dense \
+    --lengths 2048,4096,8192,16384,32768,65536 \
+    --json "$LOGS/bench_deconstructed.json" > "$LOGS/bench_deconstructed.log" 2>&1
+  grep -v '^{' "$LOGS/bench_deconstructed.log" | tail -26
+}
+
 stage_sparse_bench() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops ppa --ppa-dense-gap 8,32 --ppa-flex-max-len 8192 \
     --lengths 4096,8192,16384,32768,65536,131072,262144 --profile \
@@ -132,11 +142,12 @@ for stage in "$@"; do
     tests) stage_tests ;;
     asa) stage_asa ;;
     asa-check) stage_asa_check ;;
+    deconstructed) stage_deconstructed ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

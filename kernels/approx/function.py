@@ -48,12 +48,13 @@ def kernel_supports(D: int) -> bool:
 def _launch(D: int, dtype: torch.dtype) -> dict:
     """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
 
-    One option, off by default until measured and GPU-tested (A/B runs):
+    One option, on by default since its GPU test and A/B (H100, 2026-11-22: fwd+bwd 3.59 →
+    3.10 ms at T = 16K, H = 16, D = 128, bf16; docs/benchmarks.md):
 
     * keep_states: the forward saves the chunk states it computed (S1, S2 entering every chunk,
       2·B·H_kv·NT·D·D values in ``state_dtype``, plus z and sv, 3·B·H_kv·NT·D fp32 values) for
-      the backward, which otherwise reruns the sequential state scan (~525 us of ~3.4 ms fwd +
-      bwd at T = 16K, H = 16, D = 128, bf16 on an H100) — memory traded for time. S1, S2 are
+      the backward, which otherwise reruns the sequential state scan (~500 us of the 3.6 ms
+      fwd + bwd at that size) — memory traded for time. S1, S2 are
       D / (BT·G) times the size of o1, o2, which the forward saves anyway: at H_kv = 16,
       D = 128, T = 16K in bf16, 268 MB per layer.
 
@@ -69,7 +70,7 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
         DOT_F32=dtype == torch.bfloat16 and triton_interpreting(),
         state_dtype=torch.float32 if dtype == torch.float32 else dtype,
         warps=4 if BD <= 64 else 8,
-        keep_states=False,
+        keep_states=True,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:

@@ -69,8 +69,11 @@ class NonapproxChunkFunction(torch.autograd.Function):
 
         imax, iden, inum = torch.empty_like(cmax), torch.empty_like(cden), torch.empty_like(cnum)
         has_state = max0 is not None
-        fmax, fden = torch.empty(B, H, **f32), torch.empty(B, H, **f32)
-        fnum = torch.empty(B, H, D, **f32)
+        if output_final_state:
+            fmax, fden = torch.empty(B, H, **f32), torch.empty(B, H, **f32)
+            fnum = torch.empty(B, H, D, **f32)
+        else:  # unwritten (STORE_FINAL=False): any fp32 pointer will do, no allocation
+            fmax, fden, fnum = cmax, cden, cnum
         nonapprox_fwd_scan_kernel[(triton.cdiv(D, cfg["BV_scan"]), B * H)](
             cmax, cden, cnum,
             max0 if has_state else fmax, den0 if has_state else fden,
@@ -87,6 +90,8 @@ class NonapproxChunkFunction(torch.autograd.Function):
             num_warps=cfg["warps"])
         ctx.save_for_backward(q, k, v, o, s, lse)
         ctx.cfg = cfg
+        if not output_final_state:
+            return o, None, None, None
         ctx.mark_non_differentiable(fmax, fden, fnum)
         return o, fmax, fden, fnum
 
