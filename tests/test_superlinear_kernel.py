@@ -98,6 +98,91 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 29, 4, 2, 16), dict(sw_index=1, forward_factor=0.5), dtype)
 
 
+# launch options window_dkdv and span_dkdv (off by default): dK, dV key-centric, no atomics
+LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
+WINDOW_DKDV = '{"window_dkdv": true}'
+SPAN_DKDV = '{"span_dkdv": true}'
+BOTH_DKDV = '{"window_dkdv": true, "span_dkdv": true}'
+
+
+class _CountedLaunches:
+    """Stands in for a Triton kernel in function.py and counts its launches (``kernel[grid]``),
+    so a test sees the option taken, not only results that would also match without it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_window_dkdv_matches_reference_fp32(shape, knobs, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, WINDOW_DKDV)
+    counted = _CountedLaunches(KERNEL.function.window_bwd_dkdv_kernel)
+    monkeypatch.setattr(KERNEL.function, "window_bwd_dkdv_kernel", counted)
+    _compare(shape, knobs, torch.float32)
+    window = ops.superlinear.superlinear_window(knobs.get("search_power", 0.5),
+                                                knobs.get("sw_index", 0))
+    assert counted.launches == (1 if window > 0 else 0)  # once per backward with a window
+
+
+@pytest.mark.parametrize("blocks", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])
+def test_window_dkdv_other_blocks(blocks, monkeypatch):
+    """Key blocks larger and smaller than query blocks, windows across several of both."""
+    monkeypatch.setenv(LAUNCH_ENV, WINDOW_DKDV)
+    _compare((1, 90, 4, 2, 8), dict(sw_index=6, forward_factor=1.0), torch.float32, **blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_dkdv_half_dtypes(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, WINDOW_DKDV)
+    _compare((1, 70, 4, 2, 16), dict(sw_index=5, forward_factor=0.5), dtype)
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_span_dkdv_matches_reference_fp32(shape, knobs, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, SPAN_DKDV)
+    counted = _CountedLaunches(KERNEL.function.span_bwd_dkdv_kernel)
+    monkeypatch.setattr(KERNEL.function, "span_bwd_dkdv_kernel", counted)
+    _compare(shape, knobs, torch.float32)
+    assert counted.launches == 1
+
+
+@pytest.mark.parametrize("blocks", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])
+@pytest.mark.parametrize("launch", [SPAN_DKDV, BOTH_DKDV])
+def test_span_dkdv_other_blocks(blocks, launch, monkeypatch):
+    """Pair tiles larger and smaller than key blocks; spans (b = 3, f = 1) across several."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    _compare((2, 100, 4, 2, 8), dict(sw_index=1, backward_factor=3.0, forward_factor=1.0),
+             torch.float32, **blocks)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_dkdv_half_dtypes(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_DKDV)
+    _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
+
+
+def test_span_tile_ranges_cover_every_reaching_pair():
+    """Every pair whose span meets a key block lies in one of the block's tiles [first, end)."""
+    g = torch.Generator().manual_seed(0)
+    BH, P, T, bm, bn = 3, 300, 200, 16, 32
+    lo = torch.randint(0, T, (BH, P), generator=g, dtype=torch.int32)
+    hi = (lo + torch.randint(-5, 60, (BH, P), generator=g, dtype=torch.int32)).clamp(max=T - 1)
+    order = torch.sort(lo, dim=1, stable=True).indices.to(torch.int32)
+    first, end = KERNEL.function.span_tile_ranges(order, lo, hi, T, bm, bn)
+    rank = torch.empty_like(order)  # position of each pair in the sorted order
+    rank.scatter_(1, order.long(), torch.arange(P, dtype=torch.int32).expand(BH, -1).contiguous())
+    for bh in range(BH):
+        for kb in range(first.shape[1]):
+            n0, n1 = kb * bn, kb * bn + bn - 1
+            reach = (hi[bh] >= lo[bh]) & (lo[bh] <= n1) & (hi[bh] >= n0)
+            tiles = rank[bh][reach] // bm
+            assert torch.all((tiles >= first[bh, kb]) & (tiles < end[bh, kb]))
+
+
 @pytest.mark.parametrize("knobs", [dict(topk=2, sw_index=1), dict(topk=3, search_power=1 / 3,
                                                                     span_power=2 / 3,
                                                                     backward_factor=3.0)])
@@ -162,6 +247,14 @@ def test_dispatch():
 ], ids=["4k-h8-kv2", "3001-gqa32-2", "2k-p1/3"])
 def test_kernel_matches_reference_gpu(shape, knobs, dtype):
     _compare(shape, knobs, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_dkdv_gpu(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, BOTH_DKDV)
+    _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
+             dtype)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,9 @@ The decode step has its own kernels (``decode.py``).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,8 +47,8 @@ from megatron_subq.ops.dispatch import triton_interpreting
 from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
-from .kernels import (search_topk_kernel, span_bwd_kernel, span_fwd_kernel, window_bwd_kernel,
-                      window_fwd_kernel)
+from .kernels import (search_topk_kernel, span_bwd_dkdv_kernel, span_bwd_kernel, span_fwd_kernel,
+                      window_bwd_dkdv_kernel, window_bwd_kernel, window_fwd_kernel)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,28 @@ def launch_config(head_dim: int, block_m: Optional[int] = None,
     bd = max(16, triton.next_power_of_2(head_dim))
     return LaunchConfig(block_m=block_m or default, block_n=block_n or default,
                         num_warps=4 if bd <= 64 else 8)
+
+
+LAUNCH_ENV = "MEGATRON_SUBQ_SUPERLINEAR_LAUNCH"  # JSON overrides of the options below
+
+
+def launch_options() -> dict:
+    """Kernel choices beyond the block sizes, off by default until GPU-tested and measured.
+
+    * window_dkdv: the window's dK, dV from ``window_bwd_dkdv_kernel`` (key-centric, each key
+      block's sums in registers, written once) instead of atomic adds from the query-centric
+      ``window_bwd_kernel`` (which then computes dq only). The window backward took 37.8 ms
+      of the 195 ms fwd+bwd at T = 64K (H100, docs/benchmarks.md), 13× its forward.
+    * span_dkdv: the same for the span part (``span_bwd_dkdv_kernel``: per key block, the
+      sorted pair tiles that reach it, see ``span_tile_ranges``); ``span_bwd_kernel`` then
+      computes dq only. The span backward took 99 ms at T = 64K, 10× its forward.
+
+    ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read on every call."""
+    options = dict(window_dkdv=False, span_dkdv=False)
+    overrides = os.environ.get(LAUNCH_ENV)
+    if overrides:
+        options.update(json.loads(overrides))
+    return options
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -149,6 +173,30 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     return a, order, lo_f, hi_f, lse, lse_w
 
 
+def span_tile_ranges(order, lo_f, hi_f, T: int, block_m: int, block_n: int):
+    """For ``span_bwd_dkdv_kernel``: per (b*h, key block of ``block_n``), the range [first, end)
+    of pair tiles (``block_m`` consecutive pairs of the sorted ``order``) that may reach it.
+
+    The pairs are sorted by span start, so the tiles' first starts grow: the tiles starting after
+    the block end form a suffix (``end``). Their span ends do not grow, but their running
+    maximum does: the tiles before the first whose running maximum reaches the block start
+    cannot reach it (``first``). Tiles in between that miss it are masked out by the kernel.
+    Device ops only (no host sync). Returns two int32 tensors [B*H, cdiv(T, block_n)]."""
+    BH, P = order.shape
+    n_tiles = triton.cdiv(P, block_m)
+    idx = order.long()
+    lo_sorted = lo_f.gather(1, idx)
+    hi_sorted = torch.nn.functional.pad(hi_f.gather(1, idx), (0, n_tiles * block_m - P),
+                                        value=-1)
+    tile_lo = lo_sorted[:, ::block_m].contiguous()  # [BH, n_tiles], non-decreasing
+    tile_hi = torch.cummax(hi_sorted.view(BH, n_tiles, block_m).amax(-1), dim=1).values
+    starts = torch.arange(0, T, block_n, device=order.device, dtype=torch.int32)
+    starts = starts.expand(BH, -1).contiguous()
+    first = torch.searchsorted(tile_hi.contiguous(), starts)  # first tile with max end >= n0
+    end = torch.searchsorted(tile_lo, starts + (block_n - 1), right=True)  # start <= block end
+    return first.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
 class SuperlinearSpanFunction(torch.autograd.Function):
     """(q, k, v, span lo/hi per pair, window) -> A [B, T, H, k, D] (float32): per (query, slot)
     pair, softmax attention over the pair's span keys (outside the window) and the window."""
@@ -181,12 +229,22 @@ class SuperlinearSpanFunction(torch.autograd.Function):
         dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
         dv = torch.zeros_like(dk)
 
+        options = launch_options()
+        lse, delta = lse.contiguous(), delta.contiguous()
         dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
         span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-            q, k, v, order, lo_f, hi_f, d_a, lse.contiguous(), delta.contiguous(), dq_pairs,
+            q, k, v, order, lo_f, hi_f, d_a, lse, delta, dq_pairs,
             dk, dv, T, P, H, H // H_kv, D, scale, *strides,
             TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            PRECISION=prec, num_warps=cfg.num_warps)
+            PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], num_warps=cfg.num_warps)
+        if options["span_dkdv"]:
+            first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.block_m, cfg.block_n)
+            n_kb = first.shape[1]
+            span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
+                q, k, v, order, lo_f, hi_f, d_a, lse, delta, first, end, dk, dv,
+                T, P, H, H // H_kv, D, n_kb, scale, *strides,
+                TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                PRECISION=prec, num_warps=cfg.num_warps)
         dq = dq_pairs.view(B * H, T, topk, D).sum(2)
 
         if window > 0:
@@ -196,10 +254,16 @@ class SuperlinearSpanFunction(torch.autograd.Function):
             do_w = (c[..., None] * d_a).sum(2).contiguous()
             delta_w = (c * delta).sum(2).contiguous()
             dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
+            key_centric = options["window_dkdv"]
             window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
                 q, k, v, do_w, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D, window, scale,
                 *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                PRECISION=prec, num_warps=cfg.num_warps)
+                PRECISION=prec, ATOMIC_KV=not key_centric, num_warps=cfg.num_warps)
+            if key_centric:  # after the span kernel: dk, dv hold its sums, this adds the window's
+                window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
+                    q, k, v, do_w, lse_w, delta_w, dk, dv, T, H, H // H_kv, D, window, scale,
+                    *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                    PRECISION=prec, num_warps=cfg.num_warps)
             dq = dq + dq_w
 
         dq = dq.view(B, H, T, D).transpose(1, 2).to(q.dtype)

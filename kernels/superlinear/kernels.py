@@ -12,7 +12,8 @@ block sizes (no autotuning: the same code runs under ``TRITON_INTERPRET=1``).
   anchor as in the reference). Nothing of size #anchors is written to memory.
 * ``window_fwd_kernel`` / ``window_bwd_kernel``: causal sliding-window attention (keys
   [i - w + 1, i]) in flash style, returning the normalised output and its log-sum-exp; backward
-  with the window's effective dO and D (see ``function.py``), dk/dv by atomic adds (GQA).
+  with the window's effective dO and D (see ``function.py``), dk/dv by atomic adds (GQA), or
+  (launch option ``window_dkdv``) key-centric in ``window_bwd_dkdv_kernel``, without atomics.
 * ``span_fwd_kernel`` / ``span_bwd_kernel``: one row per (query, kept anchor) *pair*. The pairs of
   a head are ordered by span start (host: a stable sort of the start, i.e. bucketed by key block),
   so a tile of BLOCK_M pairs reads one contiguous key footprint [min lo, max hi] in BLOCK_N blocks
@@ -131,9 +132,10 @@ def window_fwd_kernel(Q, K, V, O, LSE, T, Q0, TK, H, GROUP, D, W, scale,
 def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, scale,
                       s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr):
     """DO, LSE, DELTA: the window's effective dO [B*H, T, D], its lse and D (float32).
-    DQ [B*H, T, D] is written; DK, DV [B, T, H_kv, D] (float32) are accumulated atomically."""
+    DQ [B*H, T, D] is written; with ATOMIC_KV, DK, DV [B, T, H_kv, D] (float32) are accumulated
+    atomically too (else ``window_bwd_dkdv_kernel`` computes them)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -170,12 +172,68 @@ def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, sc
         dp = tl.dot(do.to(v.dtype), tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None]) * scale
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-        dv = tl.dot(tl.trans(p).to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
-        kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
-        tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
-        tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+        if ATOMIC_KV:
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+            dv = tl.dot(tl.trans(p).to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
+            kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
+            tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
+            tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
     tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=md_mask)
+
+
+@triton.jit
+def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, scale,
+                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (cdiv(T, BLOCK_N), B*H_kv): the window's dK, dV of one key block, key-centric (flash
+    attention's backward): key j is in the window of the queries [j, j + W - 1], so the block
+    meets the query blocks up to n0 + BLOCK_N + W - 2, of every query head of its group; dK, dV
+    stay in registers and are added once to DK, DV [B, T, H_kv, D] (float32, holding the span
+    part's sums already) — no atomics. Tiles are transposed (rows = keys)."""
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    h_kv = H // GROUP
+    b = pid_bk // h_kv
+    hk = pid_bk % h_kv
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_mask = cols < T
+    d_mask = offs_d < D
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    hi = tl.minimum(n0 + BLOCK_N - 1 + W, T)  # one past the last query that sees the block
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        for m0 in range((n0 // BLOCK_M) * BLOCK_M, hi, BLOCK_M):
+            rows = m0 + offs_m
+            m_mask = rows < T
+            md_mask = m_mask[:, None] & d_mask[None, :]
+            q = tl.load(Q + b * s_qb + rows[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                        mask=md_mask, other=0.0)
+            do = tl.load(DO + (bh * T + rows)[:, None] * D + offs_d[None, :], mask=md_mask,
+                         other=0.0)
+            lse = tl.load(LSE + bh * T + rows, mask=m_mask, other=float("-inf"))
+            delta = tl.load(DELTA + bh * T + rows, mask=m_mask, other=0.0)
+            lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # no window: p = 0
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale  # [BLOCK_N, BLOCK_M]
+            inside = (rows[None, :] >= cols[:, None]) & (rows[None, :] < cols[:, None] + W)
+            inside = inside & n_mask[:, None] & m_mask[None, :]
+            p_t = tl.where(inside, tl.exp(s_t - lse_safe[None, :]), 0.0)
+            dp_t = tl.dot(v, tl.trans(do.to(v.dtype)), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :]) * scale
+            dv += tl.dot(p_t.to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    kv_out = (b * T + cols[:, None]) * h_kv * D + hk * D + offs_d[None, :]
+    tl.store(DK + kv_out, tl.load(DK + kv_out, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
+    tl.store(DV + kv_out, tl.load(DV + kv_out, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
 
 
 @triton.jit
@@ -236,10 +294,11 @@ def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, T, P, H, GROUP, D, scale,
 def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H, GROUP, D, scale,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr):
     """Backward of the span part of every pair: DA [B*H, P, D] is dL/dA of the pair, LSE its
     merged (span u window) lse and DELTA = rowsum(dA * A). Writes the pair's dq [B*H, P, D];
-    accumulates DK, DV [B, T, H_kv, D] (float32) atomically."""
+    with ATOMIC_KV, accumulates DK, DV [B, T, H_kv, D] (float32) atomically too (else
+    ``span_bwd_dkdv_kernel`` computes them)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -279,9 +338,72 @@ def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H,
         dp = tl.dot(da.to(v.dtype), tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None]) * scale
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-        dv = tl.dot(tl.trans(p).to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
-        kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
-        tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
-        tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+        if ATOMIC_KV:
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+            dv = tl.dot(tl.trans(p).to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
+            kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
+            tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
+            tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
     tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=pd_mask)
+
+
+@triton.jit
+def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TILE_END, DK, DV,
+                         T, P, H, GROUP, D, NKB, scale,
+                         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """grid (NKB = cdiv(T, BLOCK_N), B*H_kv): the span part's dK, dV of one key block,
+    key-centric. For each query head of the group, the pair tiles (BLOCK_M pairs of the sorted
+    order, as in ``span_bwd_kernel``) that can reach the block are tiles [first, end) of
+    TILE_FIRST / TILE_END [B*H, NKB] (host: search of the tiles' first span start and running
+    maximum span end); dK, dV stay in registers and are added once to DK, DV [B, T, H_kv, D]
+    (float32) — no atomics. Tiles are transposed (rows = keys)."""
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    h_kv = H // GROUP
+    b = pid_bk // h_kv
+    hk = pid_bk % h_kv
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_p = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_mask = cols < T
+    d_mask = offs_d < D
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        bh = b * H + h
+        first = tl.load(TILE_FIRST + bh * NKB + pid_n)
+        end = tl.load(TILE_END + bh * NKB + pid_n)
+        for t in range(first, end):
+            offs = t * BLOCK_M + offs_p
+            p_mask = offs < P
+            pd_mask = p_mask[:, None] & d_mask[None, :]
+            pair = tl.load(ORDER + bh * P + offs, mask=p_mask, other=0)
+            qi = pair // TOPK
+            lo = tl.load(LO + bh * P + pair, mask=p_mask, other=T)
+            hi = tl.load(HI + bh * P + pair, mask=p_mask, other=-1)
+            live = p_mask & (hi >= lo)
+            q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :],
+                        mask=pd_mask, other=0.0)
+            row = bh * P + pair
+            da = tl.load(DA + row[:, None] * D + offs_d[None, :], mask=pd_mask, other=0.0)
+            lse = tl.load(LSE + row, mask=p_mask, other=float("-inf"))
+            delta = tl.load(DELTA + row, mask=p_mask, other=0.0)
+            lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale  # [keys, pairs]
+            inside = (cols[:, None] >= lo[None, :]) & (cols[:, None] <= hi[None, :])
+            inside = inside & live[None, :] & n_mask[:, None]
+            p_t = tl.where(inside, tl.exp(s_t - lse_safe[None, :]), 0.0)
+            dp_t = tl.dot(v, tl.trans(da.to(v.dtype)), input_precision=PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :]) * scale
+            dv += tl.dot(p_t.to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    kv_out = (b * T + cols[:, None]) * h_kv * D + hk * D + offs_d[None, :]
+    tl.store(DK + kv_out, tl.load(DK + kv_out, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
+    tl.store(DV + kv_out, tl.load(DV + kv_out, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
