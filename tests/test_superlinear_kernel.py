@@ -165,6 +165,23 @@ def test_both_dkdv_half_dtypes(dtype, monkeypatch):
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
 
 
+ALL_OPTIONS = '{"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true}'
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES[:3], ids=[str(c[0][1]) for c in CPU_CASES[:3]])
+def test_all_launch_options_fp32(shape, knobs, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
+    einsums = []  # the kernel path's einsums (the reference has its own): none with the option
+    real_einsum = torch.einsum
+    monkeypatch.setattr(torch, "einsum", lambda *a, **kw: einsums.append(a[0]) or
+                        real_einsum(*a, **kw))
+    _compare(shape, knobs, torch.float32)
+    assert not [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
+    monkeypatch.setenv(LAUNCH_ENV, "{}")
+    _compare(shape, knobs, torch.float32)  # and the default takes them (the probe works)
+    assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
+
+
 def test_span_tile_ranges_cover_every_reaching_pair():
     """Every pair whose span meets a key block lies in one of the block's tiles [first, end)."""
     g = torch.Generator().manual_seed(0)
@@ -251,8 +268,8 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_both_dkdv_gpu(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, BOTH_DKDV)
+def test_all_launch_options_gpu(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
 

@@ -14,6 +14,7 @@
 #   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
 #   bash tools/gpu_kernel_suite.sh deconstructed    # nonapprox, approx: GPU tests, then the table
+#   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
@@ -110,6 +111,21 @@ stage_deconstructed() {
   grep -v '^{' "$LOGS/bench_deconstructed.log" | tail -26
 }
 
+stage_superlinear_ab() {
+  # superlinear's launch options (kernels/superlinear/function.py: launch_options), off until
+  # this passes: their GPU tests, then the default against each option and all of them
+  GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
+    "$R/tests/test_superlinear_kernel.py"
+  local ALL='"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true'
+  for launch in '{}' '{"window_dkdv": true}' '{"span_dkdv": true}' '{"elementwise_mix": true}' "{$ALL}"; do
+    MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
+      --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 --lengths 16384,32768,65536 \
+      --profile --json "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".json \
+      > "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log 2>&1
+    echo "superlinear launch $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log
+  done
+}
+
 stage_sparse_bench() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops ppa --ppa-dense-gap 8,32 --ppa-flex-max-len 8192 \
     --lengths 4096,8192,16384,32768,65536,131072,262144 --profile \
@@ -143,11 +159,12 @@ for stage in "$@"; do
     asa) stage_asa ;;
     asa-check) stage_asa_check ;;
     deconstructed) stage_deconstructed ;;
+    superlinear-ab) stage_superlinear_ab ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

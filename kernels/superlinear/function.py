@@ -80,9 +80,13 @@ def launch_options() -> dict:
     * span_dkdv: the same for the span part (``span_bwd_dkdv_kernel``: per key block, the
       sorted pair tiles that reach it, see ``span_tile_ranges``); ``span_bwd_kernel`` then
       computes dq only. The span backward took 99 ms at T = 64K, 10× its forward.
+    * elementwise_mix: the gate's scores (q_s · k of the kept anchors) and the gated mixture
+      Σ_slot gate · A_slot as broadcast products and sums (memory-bound passes) instead of
+      ``torch.einsum``, which runs them as about 10⁶ tiny fp32 cuBLAS matrix products
+      (≈ 13 ms of fp32 GEMM and ≈ 6 ms of GEMV kernels at T = 64K, H100 profile).
 
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read on every call."""
-    options = dict(window_dkdv=False, span_dkdv=False)
+    options = dict(window_dkdv=False, span_dkdv=False, elementwise_mix=False)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -296,8 +300,15 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     gate = _gate(q_s, k, sel_t)
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
     a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg)  # [B, T, H, k, D]
-    out = torch.einsum("bthk,bthkd->bthd", gate, a)
+    out = _mix(gate, a)
     return out.to(out_dtype)
+
+
+def _mix(gate, a):
+    """Σ_slot gate · A_slot: gate [B, T, H, k], a [B, T, H, k, D] (any strides) -> [B, T, H, D]."""
+    if launch_options()["elementwise_mix"]:
+        return (gate.unsqueeze(-1) * a).sum(-2)
+    return torch.einsum("bthk,bthkd->bthd", gate, a)
 
 
 def _gate(q_s, k, sel_t):
@@ -312,8 +323,11 @@ def _gate(q_s, k, sel_t):
     kv_head = (torch.arange(H, device=q_s.device) // group)[None, None, :, None]
     rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
     k_sel = k.reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
-    scores = torch.einsum("bthd,bthkd->bthk", q_s.float(),
-                          k_sel.reshape(B, T, H, topk, D).float())
+    k_sel = k_sel.reshape(B, T, H, topk, D).float()
+    if launch_options()["elementwise_mix"]:
+        scores = (q_s.float().unsqueeze(-2) * k_sel).sum(-1)
+    else:
+        scores = torch.einsum("bthd,bthkd->bthk", q_s.float(), k_sel)
     gate = torch.softmax(scores.masked_fill(~valid, torch.finfo(torch.float32).min), -1) * valid
     no_anchor = ~valid.any(-1, keepdim=True)
     slot0 = torch.zeros_like(gate)
@@ -350,7 +364,7 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start)[0]
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
-    return torch.einsum("bthk,bhtkd->bthd", gate, a).to(out_dtype)
+    return _mix(gate, a.permute(0, 2, 1, 3, 4)).to(out_dtype)
 
 
 @dataclass(frozen=True)
