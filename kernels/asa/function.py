@@ -9,6 +9,7 @@ final state an output without gradient (for prefill/decode, not for training thr
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -141,7 +142,7 @@ def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
     ``out_dtype``); the final sum too (fp32).
     With a chunk table (packed sequences) the sums restart at every sequence."""
     B, H, NT = delta.shape[:3]
-    L = delta[0, 0, 0].numel()
+    L = math.prod(delta.shape[3:])  # values per chunk (shape arithmetic: no view per call)
     out = torch.empty_like(delta, dtype=out_dtype)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
@@ -160,7 +161,7 @@ def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, c
     """``_scan`` of the S deltas [B, H, NT, m, Dv] and the z deltas [B, H, NT, m] in one launch
     (cfg fused_scan): (S sums in ``out_dtype``, z sums, (S final, z final) or None)."""
     B, H, NT = delta.shape[:3]
-    LS, LZ = delta[0, 0, 0].numel(), dz[0, 0, 0].numel()
+    LS, LZ = math.prod(delta.shape[3:]), math.prod(dz.shape[3:])
     has_init = init is not None
     out, z_out = torch.empty_like(delta, dtype=out_dtype), torch.empty_like(dz)
     final, z_final = out, z_out  # unwritten unless store_final
