@@ -117,15 +117,22 @@ class _CountedLaunches:
         return self.kernel[grid]
 
 
+DKDV_OPTIONS = {"window": (WINDOW_DKDV, "window_bwd_dkdv_kernel"),
+                "span": (SPAN_DKDV, "span_bwd_dkdv_kernel")}
+
+
+@pytest.mark.parametrize("option", sorted(DKDV_OPTIONS))
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
-def test_window_dkdv_matches_reference_fp32(shape, knobs, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, WINDOW_DKDV)
-    counted = _CountedLaunches(KERNEL.function.window_bwd_dkdv_kernel)
-    monkeypatch.setattr(KERNEL.function, "window_bwd_dkdv_kernel", counted)
+def test_dkdv_option_matches_reference_fp32(shape, knobs, option, monkeypatch):
+    launch, kernel = DKDV_OPTIONS[option]
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    counted = _CountedLaunches(getattr(KERNEL.function, kernel))
+    monkeypatch.setattr(KERNEL.function, kernel, counted)
     _compare(shape, knobs, torch.float32)
     window = ops.superlinear.superlinear_window(knobs.get("search_power", 0.5),
                                                 knobs.get("sw_index", 0))
-    assert counted.launches == (1 if window > 0 else 0)  # once per backward with a window
+    # once per backward; the window's only where there is a window
+    assert counted.launches == (1 if option == "span" or window > 0 else 0)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])
@@ -139,15 +146,6 @@ def test_window_dkdv_other_blocks(blocks, monkeypatch):
 def test_window_dkdv_half_dtypes(dtype, monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, WINDOW_DKDV)
     _compare((1, 70, 4, 2, 16), dict(sw_index=5, forward_factor=0.5), dtype)
-
-
-@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
-def test_span_dkdv_matches_reference_fp32(shape, knobs, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, SPAN_DKDV)
-    counted = _CountedLaunches(KERNEL.function.span_bwd_dkdv_kernel)
-    monkeypatch.setattr(KERNEL.function, "span_bwd_dkdv_kernel", counted)
-    _compare(shape, knobs, torch.float32)
-    assert counted.launches == 1
 
 
 @pytest.mark.parametrize("blocks", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])

@@ -182,6 +182,40 @@ def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, sc
 
 
 @triton.jit
+def _key_block(K, V, pid_n, pid_bk, T, H, GROUP, D, s_kb, s_kt, s_kh,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The key-centric backward kernels' key block: (b, kv head, its key positions, their mask,
+    the [BLOCK_N, BLOCK_D] mask, k and v tiles, offsets of DK/DV rows)."""
+    h_kv = H // GROUP
+    b = pid_bk // h_kv
+    hk = pid_bk % h_kv
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_mask = cols < T
+    kv_mask = n_mask[:, None] & (offs_d < D)[None, :]
+    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+    kv_out = (b * T + cols[:, None]) * h_kv * D + hk * D + offs_d[None, :]
+    return b, hk, cols, n_mask, kv_mask, k, v, kv_out
+
+
+@triton.jit
+def _dkdv_tile(k, v, q, do, lse, delta, inside, scale, dk, dv, PRECISION: tl.constexpr):
+    """dK, dV of a key block from one tile of queries (or pairs) with their dO, lse and
+    D = rowsum(dO * O): transposed flash-attention backward (rows = keys); ``inside`` [keys,
+    queries] says which scores exist. A query without any key (lse = -inf) adds nothing."""
+    lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
+    s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale
+    p_t = tl.where(inside, tl.exp(s_t - lse_safe[None, :]), 0.0)
+    dp_t = tl.dot(v, tl.trans(do.to(v.dtype)), input_precision=PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :]) * scale
+    dv += tl.dot(p_t.to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, scale,
                            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -190,22 +224,14 @@ def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, s
     attention's backward): key j is in the window of the queries [j, j + W - 1], so the block
     meets the query blocks up to n0 + BLOCK_N + W - 2, of every query head of its group; dK, dV
     stay in registers and are added once to DK, DV [B, T, H_kv, D] (float32, holding the span
-    part's sums already) — no atomics. Tiles are transposed (rows = keys)."""
+    part's sums already) — no atomics."""
     pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    h_kv = H // GROUP
-    b = pid_bk // h_kv
-    hk = pid_bk % h_kv
+    b, hk, cols, n_mask, kv_mask, k, v, kv_out = _key_block(
+        K, V, pid_n, tl.program_id(1), T, H, GROUP, D, s_kb, s_kt, s_kh, BLOCK_N, BLOCK_D)
     n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    n_mask = cols < T
     d_mask = offs_d < D
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
-    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
-    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     hi = tl.minimum(n0 + BLOCK_N - 1 + W, T)  # one past the last query that sees the block
@@ -222,16 +248,9 @@ def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, s
                          other=0.0)
             lse = tl.load(LSE + bh * T + rows, mask=m_mask, other=float("-inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=m_mask, other=0.0)
-            lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # no window: p = 0
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale  # [BLOCK_N, BLOCK_M]
             inside = (rows[None, :] >= cols[:, None]) & (rows[None, :] < cols[:, None] + W)
             inside = inside & n_mask[:, None] & m_mask[None, :]
-            p_t = tl.where(inside, tl.exp(s_t - lse_safe[None, :]), 0.0)
-            dp_t = tl.dot(v, tl.trans(do.to(v.dtype)), input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :]) * scale
-            dv += tl.dot(p_t.to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    kv_out = (b * T + cols[:, None]) * h_kv * D + hk * D + offs_d[None, :]
+            dk, dv = _dkdv_tile(k, v, q, do, lse, delta, inside, scale, dk, dv, PRECISION)
     tl.store(DK + kv_out, tl.load(DK + kv_out, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
     tl.store(DV + kv_out, tl.load(DV + kv_out, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
 
@@ -358,21 +377,13 @@ def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TIL
     order, as in ``span_bwd_kernel``) that can reach the block are tiles [first, end) of
     TILE_FIRST / TILE_END [B*H, NKB] (host: search of the tiles' first span start and running
     maximum span end); dK, dV stay in registers and are added once to DK, DV [B, T, H_kv, D]
-    (float32) — no atomics. Tiles are transposed (rows = keys)."""
+    (float32) — no atomics."""
     pid_n = tl.program_id(0)
-    pid_bk = tl.program_id(1)
-    h_kv = H // GROUP
-    b = pid_bk // h_kv
-    hk = pid_bk % h_kv
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    b, hk, cols, n_mask, kv_mask, k, v, kv_out = _key_block(
+        K, V, pid_n, tl.program_id(1), T, H, GROUP, D, s_kb, s_kt, s_kh, BLOCK_N, BLOCK_D)
     offs_p = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    n_mask = cols < T
     d_mask = offs_d < D
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
-    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
-    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, GROUP):
@@ -388,22 +399,14 @@ def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TIL
             qi = pair // TOPK
             lo = tl.load(LO + bh * P + pair, mask=p_mask, other=T)
             hi = tl.load(HI + bh * P + pair, mask=p_mask, other=-1)
-            live = p_mask & (hi >= lo)
             q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :],
                         mask=pd_mask, other=0.0)
             row = bh * P + pair
             da = tl.load(DA + row[:, None] * D + offs_d[None, :], mask=pd_mask, other=0.0)
             lse = tl.load(LSE + row, mask=p_mask, other=float("-inf"))
             delta = tl.load(DELTA + row, mask=p_mask, other=0.0)
-            lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale  # [keys, pairs]
             inside = (cols[:, None] >= lo[None, :]) & (cols[:, None] <= hi[None, :])
-            inside = inside & live[None, :] & n_mask[:, None]
-            p_t = tl.where(inside, tl.exp(s_t - lse_safe[None, :]), 0.0)
-            dp_t = tl.dot(v, tl.trans(da.to(v.dtype)), input_precision=PRECISION)
-            ds_t = p_t * (dp_t - delta[None, :]) * scale
-            dv += tl.dot(p_t.to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-    kv_out = (b * T + cols[:, None]) * h_kv * D + hk * D + offs_d[None, :]
+            inside = inside & (p_mask & (hi >= lo))[None, :] & n_mask[:, None]
+            dk, dv = _dkdv_tile(k, v, q, da, lse, delta, inside, scale, dk, dv, PRECISION)
     tl.store(DK + kv_out, tl.load(DK + kv_out, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
     tl.store(DV + kv_out, tl.load(DV + kv_out, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
