@@ -391,6 +391,23 @@ def _time(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
+def _graph_replay(fn) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch requires);
+    returns the replay. Timing the replay measures the GPU work alone, without the host's
+    per-launch cost — what a CUDA-graphed training step sees. Raises if ``fn`` cannot be
+    captured (a host sync inside it, for instance)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def report(meta: dict, results: list, plot_path: str = "") -> None:
     """Ratios against cuDNN, the table, and optionally the plot."""
     cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
@@ -528,6 +545,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also print each of our rows' per-kernel CUDA time of one fwd+bwd "
                         "(torch.profiler) and store it in the JSON")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each row captured in a CUDA graph (fwd_graph_ms, "
+                        "fwd_bwd_graph_ms in the JSON): the GPU's time without host overhead")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also run N fwd+bwd calls of each of our rows under cProfile and print "
                         "the host time per call and the functions that take it")
@@ -586,6 +606,18 @@ def main(argv=None) -> int:
                         rec["profile_us"] = _profile(name, fwd_bwd or fwd)
                     except Exception as e:  # noqa: BLE001 - a profiler failure must not cost the row
                         print(f"profile of {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+                if args.cuda_graph:
+                    for key, fn in (("fwd_graph_ms", fwd), ("fwd_bwd_graph_ms", fwd_bwd)):
+                        if fn is None:
+                            continue
+                        try:
+                            rec[key] = _time(_graph_replay(fn))
+                        except Exception as e:  # noqa: BLE001 - reported, the row is kept
+                            rec[key] = None
+                            rec.setdefault("graph_error", f"{type(e).__name__}: {e}"[:300])
+                            torch.cuda.synchronize()
+                    print(f"graph {T} {name}: fwd {rec.get('fwd_graph_ms')} ms, fwd+bwd "
+                          f"{rec.get('fwd_bwd_graph_ms')} ms", flush=True)
                 if args.host_profile and build in OP_BENCHES.values():
                     rec["host_us_per_call"] = _host_profile(name, fwd_bwd or fwd,
                                                             args.host_profile)

@@ -80,7 +80,7 @@ stage_asa() {
   # baselines (where the time goes: per kernel, and on the host at short lengths)
   gpu_tests asa "$R/tests/test_asa_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla \
-    --lengths 2048,4096,8192,16384,32768,65536,131072 --profile --host-profile 50 \
+    --lengths 2048,4096,8192,16384,32768,65536,131072 --profile --host-profile 50 --cuda-graph \
     --json "$LOGS/bench_asa.json" > "$LOGS/bench_asa.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa.log" | grep -v '^ *[0-9.]* us ' | tail -30
 }
@@ -106,7 +106,7 @@ stage_deconstructed() {
   # nonapprox and approx: their GPU tests, then the benchmark table of docs/benchmarks.md
   gpu_tests deconstructed "$R/tests/test_nonapprox_kernel.py" "$R/tests/test_approx_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops nonapprox,approx --baselines dense \
-    --lengths 2048,4096,8192,16384,32768,65536 \
+    --lengths 2048,4096,8192,16384,32768,65536 --cuda-graph \
     --json "$LOGS/bench_deconstructed.json" > "$LOGS/bench_deconstructed.log" 2>&1
   grep -v '^{' "$LOGS/bench_deconstructed.log" | tail -26
 }

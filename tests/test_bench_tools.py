@@ -1,0 +1,36 @@
+"""tools/bench_ops.py without a GPU: re-reporting a saved run (table and plot), and the refusal
+to measure on a machine without CUDA."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVED = ROOT / "docs" / "bench" / "asa-defaults-h100-2026-11-22.json"
+
+
+def _bench(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "bench_ops.py"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_replot_prints_the_table_and_draws_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plot.png"
+    out = _bench("--replot", str(SAVED), "--plot", str(png))
+    assert out.returncode == 0, out.stderr
+    saved = json.loads(SAVED.read_text())
+    assert saved["gpu"] in out.stdout and saved["command"] in out.stdout
+    rows = [line for line in out.stdout.splitlines() if "asa_kernel[linear]" in line]
+    assert len(rows) == sum(r["impl"] == "asa_kernel[linear]" for r in saved["results"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_measuring_needs_cuda():
+    out = _bench("--ops", "asa", "--lengths", "64")
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
