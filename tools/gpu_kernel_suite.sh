@@ -109,6 +109,16 @@ stage_deconstructed() {
     --lengths 2048,4096,8192,16384,32768,65536 --cuda-graph \
     --json "$LOGS/bench_deconstructed.json" > "$LOGS/bench_deconstructed.log" 2>&1
   grep -v '^{' "$LOGS/bench_deconstructed.log" | tail -26
+  # approx's state scans are latency-bound (one program per [BK, BV] state block walks every
+  # chunk): smaller blocks, more programs in flight (MEGATRON_SUBQ_APPROX_LAUNCH is per call)
+  local launch tag
+  for launch in '{"BK_state": 32}' '{"BK_state": 32, "BV_state": 16}'; do
+    tag=$(echo "$launch" | tr -dc 'A-Za-z0-9')
+    MEGATRON_SUBQ_APPROX_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops approx --baselines "" \
+      --lengths 16384,65536 --profile --json "$LOGS/bench_approx_$tag.json" \
+      > "$LOGS/bench_approx_$tag.log" 2>&1
+    echo "approx $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_approx_$tag.log"
+  done
 }
 
 stage_superlinear_ab() {
