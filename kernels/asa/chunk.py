@@ -11,9 +11,10 @@ to HBM)::
               reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r
 
 The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default; the S
-and z sums in one launch with cfg ``fused_scan``), or as one fused loop over chunks per head
-(``scan="sequential"``); the output and gradient kernels are parallel over chunks.
-              per chunk:  dA = tril(g vᵀ + r 1ᵀ)
+and z sums in one launch with cfg ``fused_scan``, on by default), or as one fused loop over
+chunks per head (``scan="sequential"``); the output and gradient kernels are parallel over chunks.
+Backward, per chunk:
+                          dA = tril(g vᵀ + r 1ᵀ)
                           dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
                           dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c
                           dℓ = f ⊙ (df − Σ_m f ⊙ df)  (softmax), dq = dℓ_q P_Qᵀ, dk = dℓ_k P_Kᵀ
@@ -22,9 +23,10 @@ and z sums in one launch with cfg ``fused_scan``), or as one fused loop over chu
 
 Matmul operands are cast to the input dtype (bf16/fp16 tensor cores, or fp32 with
 ``input_precision="ieee"``); every accumulation (dots, states, softmax) is fp32. The chunk states
-``S_c, z_c`` (fp32, ``[B, H, NT, m, Dv]``) are written by the state kernel and read by the output
-kernel; the backward recomputes them rather than keeping them alive between passes (unless
-cfg ``keep_states``, which saves them for it).
+``S_c, z_c`` (fp32 unless cfg ``states_half``, ``[B, H, NT, m, Dv]``) are written by the scan and
+read by the output kernel; the forward keeps them for the backward (cfg ``keep_states``, the
+default), which otherwise recomputes them. dℓ goes from the gradient kernel to the dP kernel in
+the inputs' dtype (cfg ``dl_half``, the default) or fp32.
 
 Packed sequences (``VARLEN``, B = 1): chunk c is row c of a host-built table (start, stop,
 seq_start, seq_stop) whose chunks never straddle a sequence boundary; tiles are masked at the
