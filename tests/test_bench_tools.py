@@ -34,3 +34,8 @@ def test_replot_prints_the_table_and_draws_the_plot(tmp_path):
 def test_measuring_needs_cuda():
     out = _bench("--ops", "asa", "--lengths", "64")
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_bad_repeat_count_is_refused():
+    out = _bench("--repeat", "0")
+    assert out.returncode == 2 and "--repeat" in out.stderr and "1 or more" in out.stderr

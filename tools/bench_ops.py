@@ -36,6 +36,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Tuple
@@ -545,6 +546,10 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also print each of our rows' per-kernel CUDA time of one fwd+bwd "
                         "(torch.profiler) and store it in the JSON")
+    p.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="time each row N times (each a do_bench median) and report the median "
+                        "of those, keeping all N in the JSON (fwd_ms_runs, fwd_bwd_ms_runs): "
+                        "host-bound rows move between runs")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each row captured in a CUDA graph (fwd_graph_ms, "
                         "fwd_bwd_graph_ms in the JSON): the GPU's time without host overhead")
@@ -556,6 +561,8 @@ def main(argv=None) -> int:
     p.add_argument("--replot", default="", help="print the table and plot of a saved JSON "
                    "(no GPU needed) instead of measuring")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: {args.repeat} is not allowed; give a count of 1 or more")
     if args.replot:
         with open(args.replot) as f:
             saved = json.load(f)
@@ -596,7 +603,10 @@ def main(argv=None) -> int:
                         rec[key] = None
                         continue
                     try:
-                        rec[key] = _time(fn)
+                        times = [_time(fn) for _ in range(args.repeat)]
+                        rec[key] = statistics.median(times)
+                        if args.repeat > 1:  # the spread between do_bench runs (host noise)
+                            rec[key + "_runs"] = times
                     except torch.OutOfMemoryError:
                         rec[key] = None
                         rec["skipped"] = "out of memory"

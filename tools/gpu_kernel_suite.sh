@@ -97,7 +97,7 @@ stage_asa_check() {
   # against the candidate option(s) at 16K and 64K
   gpu_tests asa "$R/tests/test_asa_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 16384,65536 --profile \
-    --asa-launch '{}' --asa-launch '{"states_half": true}' \
+    --repeat 3 --cuda-graph --asa-launch '{}' --asa-launch '{"states_half": true}' \
     --json "$LOGS/bench_asa_check.json" > "$LOGS/bench_asa_check.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
