@@ -255,6 +255,30 @@ def test_launch_option_r_kernel(shape, monkeypatch):
     assert calls == {"_linear_r": 1}
 
 
+# the split gradient kernel (cfg bwd_split): every normalisation, GQA, packed, several Dv blocks
+# (BV_bwd = 16 < Dv = 24) and dx in column blocks narrower than D (BDX = 16 < D = 32)
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_launch_option_bwd_split(normalize, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true, "BV_bwd": 16, "BDX": 16}')
+    calls = {"split": 0}
+    split = KERNEL.function.asa_bwd_chunk_split_kernel
+
+    class Counted:  # counts launches (kernel[grid]) of the split kernel
+        def __getitem__(self, grid):
+            calls["split"] += 1
+            return split[grid]
+
+    monkeypatch.setattr(KERNEL.function, "asa_bwd_chunk_split_kernel", Counted())
+    _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
+    assert calls["split"] == 2  # query side and key side
+    _compare_packed(normalize, torch.float32)
+
+
+def test_launch_option_bwd_split_half(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true}')
+    _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
+
+
 # chunking: 128-token chunks (the compiled default), prefix sums over 1, 2 or 4 chunks per step
 # whether or not that divides the chunk count (T = 300: 5 chunks of 64, 3 of 128), Dv in blocks
 CHUNKING = ['{"BT": 128}', '{"scan_unroll": 1}', '{"scan_unroll": 2}',
@@ -338,7 +362,8 @@ def test_kernel_packed_sequences_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32", "bt128-gqa-bf16",
                                   "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16",
-                                  "stateshalf-gqa-bf16", "stateshalf-long-fp16"])
+                                  "stateshalf-gqa-bf16", "stateshalf-long-fp16",
+                                  "split-gqa-bf16", "split-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
     """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
     chunks as well (half the chunk states and scan steps)."""
@@ -349,6 +374,8 @@ def test_launch_options_gpu(case, monkeypatch):
         launch["dl_half"] = True
     if case.startswith("stateshalf"):
         launch["states_half"] = True
+    if case.startswith("split"):
+        launch["bwd_split"] = True
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))
     if case.endswith("long-fp16"):
         _compare(GPU_SHAPES["long"], "linear", torch.float16)

@@ -93,11 +93,12 @@ stage_ppa_long() {
 }
 
 stage_asa_check() {
-  # after a change of ASA's launch options: the GPU tests matching $GPU_K, then the default
-  # against the candidate option(s) at 16K and 64K
+  # after a change of ASA's launch options: the GPU tests matching $GPU_K (e.g. GPU_K=
+  # "launch_options"), then the default against the candidate options at 16K and 64K
   gpu_tests asa "$R/tests/test_asa_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 16384,65536 --profile \
     --repeat 3 --cuda-graph --asa-launch '{}' --asa-launch '{"states_half": true}' \
+    --asa-launch '{"bwd_split": true}' --asa-launch '{"bwd_split": true, "BV_bwd": 64}' \
     --json "$LOGS/bench_asa_check.json" > "$LOGS/bench_asa_check.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }

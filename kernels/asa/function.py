@@ -22,6 +22,7 @@ from ..common import check_int32_offsets
 
 from .chunk import (
     asa_bwd_chunk_kernel,
+    asa_bwd_chunk_split_kernel,
     asa_bwd_dp_kernel,
     asa_bwd_r_kernel,
     asa_bwd_states_kernel,
@@ -70,6 +71,11 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     by the output and gradient kernels) stored in the inputs' half dtype; the per-chunk deltas,
     the running sums and the final state stay fp32.
 
+    bwd_split (off until measured, never run on a GPU): the gradient kernel with fewer live
+    registers (``asa_bwd_chunk_split_kernel``); at BT = 128 the one-pass kernel spills 1.4–1.7
+    KB (query side) and 3–5 KB (key side) per thread in a local sm_90 compile (Triton 3.9's
+    ptxas -v), the split one halves the query side's at BV_bwd = 64 (see its docstring).
+
     The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
     boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
     overrides any value.
@@ -94,7 +100,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
         stages=1, CPG=16, scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
         scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
-        states_half=False,
+        states_half=False, bwd_split=False, BDX=64,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -362,8 +368,11 @@ class ASAChunkFunction(torch.autograd.Function):
         dl_dtype = q.dtype if cfg["dl_half"] else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
+        kernel, extra = asa_bwd_chunk_kernel, {}
+        if cfg["bwd_split"]:  # fewer live registers (see the kernel); dx in column blocks
+            kernel, extra = asa_bwd_chunk_split_kernel, dict(BDX=min(cfg["BDX"], cfg["BD"]))
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):
-            asa_bwd_chunk_kernel[(NT, B * H)](
+            kernel[(NT, B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
                 dx, dv_h, dl, chunks if chunks is not None else den,
                 T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
@@ -371,7 +380,7 @@ class ASAChunkFunction(torch.autograd.Function):
                 v.stride(0), v.stride(1), v.stride(2),
                 BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
                 PREC=cfg["PREC"], SIDE=side, VARLEN=chunks is not None,
-                num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+                num_warps=cfg["bwd_warps"], num_stages=cfg["stages"], **extra)
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)

@@ -1,0 +1,94 @@
+"""Registers and spills of ASA's gradient kernels, compiled here for sm_90 without a GPU.
+
+Triton compiles for a named target on any machine; its bundled ptxas then reports each kernel's
+registers and spill bytes per thread (``ptxas -v``). That is how the launch configurations of
+``kernels/asa/function.py`` can be compared for register pressure between GPU sessions. The
+local Triton may differ from the device's (3.9 here, 3.6 there): read the numbers as relative.
+
+    python tools/kernel_spills.py                       # BT 128 and 64, both sides, both kernels
+    python tools/kernel_spills.py --bt 128 --bv 64 --warps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from megatron_subq.kernels.asa import chunk  # noqa: E402
+
+POINTERS = ("q_ptr", "k_ptr", "v_ptr", "pq_ptr", "pk_ptr", "do_ptr", "den_ptr", "r_ptr",
+            "states_ptr", "zs_ptr", "dstates_ptr", "dzs_ptr", "dx_ptr", "dv_ptr", "dl_ptr",
+            "chunks_ptr")
+INTS = ("T", "H", "G", "D", "M", "DV", "NT", "NV", "sqb", "sqt", "sqh", "skb", "skt", "skh",
+        "svb", "svt", "svh")
+
+
+def ptxas() -> str:
+    """The bundled ptxas new enough for Triton's PTX (Triton 3.9 ships two)."""
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        path = os.path.join(bin_dir, name)
+        if os.path.exists(path):
+            return path
+    raise SystemExit(f"no ptxas under {bin_dir}")
+
+
+def spills(kernel, side: int, bt: int, bv: int, warps: int, dtype: str, bdx=None) -> str:
+    """'<registers> regs, <bytes> B spilled' of one specialisation (m = 64, d_h = d_v = 128)."""
+    elt = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
+    types = [elt] * 6 + ["*fp32"] * 6 + [elt] * 3 + ["*i32"]
+    sig = dict(zip(POINTERS, types))
+    sig.update({name: "i32" for name in INTS})
+    consts = dict(BT=bt, BD=128, BM=64, BV=bv, NORM=0, PREC="tf32", SIDE=side, VARLEN=False)
+    if bdx is not None:
+        consts["BDX"] = bdx
+    sig.update({name: "constexpr" for name in consts})
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": 1})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    out = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True)
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", out.stderr)
+    if not regs:
+        return "ptxas failed: " + out.stderr.strip()[-300:]
+    return f"{regs.group(1)} regs, {spill.group(1) if spill else 0} B spilled"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bt", default="128,64", help="comma list of chunk sizes (BT)")
+    p.add_argument("--bv", default="128,64", help="comma list of Dv blocks (BV_bwd)")
+    p.add_argument("--warps", default="8", help="comma list of warps per program")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    args = p.parse_args(argv)
+    for bt in map(int, args.bt.split(",")):
+        for bv in map(int, args.bv.split(",")):
+            for warps in map(int, args.warps.split(",")):
+                for side in (0, 1):
+                    one = spills(chunk.asa_bwd_chunk_kernel, side, bt, bv, warps, args.dtype)
+                    split = spills(chunk.asa_bwd_chunk_split_kernel, side, bt, bv, warps,
+                                   args.dtype, bdx=64)
+                    name = "query" if side == 0 else "key"
+                    print(f"BT {bt:3d} BV {bv:3d} warps {warps:2d} {name:5s} side: one-pass "
+                          f"{one}; split {split}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
