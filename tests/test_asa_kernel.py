@@ -261,14 +261,16 @@ def test_launch_option_r_kernel(shape, monkeypatch):
 def test_launch_option_bwd_split(normalize, monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true, "BV_bwd": 16, "BDX": 16}')
     calls = {"split": 0}
-    split = KERNEL.function.asa_bwd_chunk_split_kernel
+    kernel = KERNEL.function.asa_bwd_chunk_kernel
 
-    class Counted:  # counts launches (kernel[grid]) of the split kernel
+    class Counted:  # counts launches (kernel[grid](...)) of the gradient kernel with SPLIT
         def __getitem__(self, grid):
-            calls["split"] += 1
-            return split[grid]
+            def launch(*args, **kwargs):
+                calls["split"] += bool(kwargs["SPLIT"])
+                return kernel[grid](*args, **kwargs)
+            return launch
 
-    monkeypatch.setattr(KERNEL.function, "asa_bwd_chunk_split_kernel", Counted())
+    monkeypatch.setattr(KERNEL.function, "asa_bwd_chunk_kernel", Counted())
     _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
     assert calls["split"] == 2  # query side and key side
     _compare_packed(normalize, torch.float32)

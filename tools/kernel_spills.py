@@ -45,17 +45,18 @@ def ptxas() -> str:
     raise SystemExit(f"no ptxas under {bin_dir}")
 
 
-def spills(kernel, side: int, bt: int, bv: int, warps: int, dtype: str, bdx=None) -> str:
-    """'<registers> regs, <bytes> B spilled' of one specialisation (m = 64, d_h = d_v = 128)."""
+def spills(side: int, bt: int, bv: int, warps: int, dtype: str, split: bool) -> str:
+    """'<registers> regs, <bytes> B spilled' of one specialisation of ``asa_bwd_chunk_kernel``
+    (m = 64, d_h = d_v = 128; split: cfg bwd_split with dx in 64-column blocks)."""
     elt = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     types = [elt] * 6 + ["*fp32"] * 6 + [elt] * 3 + ["*i32"]
     sig = dict(zip(POINTERS, types))
     sig.update({name: "i32" for name in INTS})
-    consts = dict(BT=bt, BD=128, BM=64, BV=bv, NORM=0, PREC="tf32", SIDE=side, VARLEN=False)
-    if bdx is not None:
-        consts["BDX"] = bdx
+    consts = dict(BT=bt, BD=128, BM=64, BV=bv, NORM=0, PREC="tf32", SIDE=side, VARLEN=False,
+                  SPLIT=split, BDX=64 if split else 128)
     sig.update({name: "constexpr" for name in consts})
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+    compiled = triton.compile(ASTSource(fn=chunk.asa_bwd_chunk_kernel, signature=sig,
+                                        constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": 1})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -81,9 +82,8 @@ def main(argv=None) -> int:
         for bv in map(int, args.bv.split(",")):
             for warps in map(int, args.warps.split(",")):
                 for side in (0, 1):
-                    one = spills(chunk.asa_bwd_chunk_kernel, side, bt, bv, warps, args.dtype)
-                    split = spills(chunk.asa_bwd_chunk_split_kernel, side, bt, bv, warps,
-                                   args.dtype, bdx=64)
+                    one = spills(side, bt, bv, warps, args.dtype, split=False)
+                    split = spills(side, bt, bv, warps, args.dtype, split=True)
                     name = "query" if side == 0 else "key"
                     print(f"BT {bt:3d} BV {bv:3d} warps {warps:2d} {name:5s} side: one-pass "
                           f"{one}; split {split}", flush=True)

@@ -394,6 +394,47 @@ def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
 
 
 @triton.jit
+def _chunk_features(x_base, x_stride, p_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
+                    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    """softmax(x P) of one chunk's rows, in the inputs' dtype (the gradient kernel's operand)."""
+    dt = x_base.dtype.element_ty
+    x = _load_rows(x_base, t0, t_stop, x_stride, tl.arange(0, BD), D, BT).to(dt)
+    return _softmax_features(x, _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
+                             PREC).to(dt)
+
+
+@triton.jit
+def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
+                        D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
+                        BM: tl.constexpr, BDX: tl.constexpr, PREC: tl.constexpr):
+    """The softmax backward of one side and its stores: dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32
+    features (recomputed), then dx = dℓ Pᵀ — in one [BT, BD] tile (BDX = BD), or BDX columns at
+    a time (fewer live registers: cfg ``bwd_split``)."""
+    dt = x_base.dtype.element_ty
+    d_cols = tl.arange(0, BD)
+    m_idx = tl.arange(0, BM)
+    p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
+    f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt), p,
+                            feat_mask, row_mask, PREC)
+    dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
+    tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & feat_mask[None, :])
+    if BDX == BD:
+        dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
+        tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
+    else:
+        dl = dl.to(dt)
+        for d0 in tl.static_range(0, BD, BDX):
+            d_blk = d0 + tl.arange(0, BDX)
+            p_blk = tl.load(p_ptr + h * D * M + d_blk[:, None] * M + m_idx[None, :],
+                            mask=(d_blk[:, None] < D) & feat_mask[None, :], other=0.0).to(dt)
+            dx = tl.dot(dl, tl.trans(p_blk), input_precision=PREC)
+            tl.store(dx_ptr + o_rows[:, None] * D + d_blk[None, :],
+                     dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_blk[None, :] < D))
+
+
+@triton.jit
 def asa_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
@@ -402,6 +443,7 @@ def asa_bwd_chunk_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr,
+    SPLIT: tl.constexpr, BDX: tl.constexpr,
 ):
     """grid (NT, B*H): one chunk's gradients, in two launches (fewer live registers each):
 
@@ -411,7 +453,14 @@ def asa_bwd_chunk_kernel(
 
     dℓ (``dl``, ``[B, T, H, M]`` fp32) is kept for dP. Both sides rebuild dA = tril(g vᵀ + r 1ᵀ),
     one BT x BT x Dv matmul. The fp32 features of the softmax backward are recomputed at the end
-    rather than kept live across the loop over Dv blocks."""
+    rather than kept live across the loop over Dv blocks.
+
+    ``SPLIT`` (cfg ``bwd_split``): fewer live registers — no feature tile is live while dA is
+    built (they are made after it), the key side makes Aᵀ and dv in a second pass over the Dv
+    blocks (reading dO and dS again, so dA and Aᵀ are never live together), and dx is written
+    BDX columns at a time. Spills per thread in a local sm_90 compile (Triton 3.9, ptxas -v;
+    ``python tools/kernel_spills.py --bt 128 --bv 64``), BT = 128, 8 warps: query side 1376 →
+    652 bytes; key side 3212 → 3944 (worse: its pressure is elsewhere, not yet found)."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -419,24 +468,23 @@ def asa_bwd_chunk_kernel(
     t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
     rows = t0 + tl.arange(0, BT)
     row_mask = rows < t_stop
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     feat_mask = m_idx < M
     q_base = q_ptr + b * sqb + h * sqh
     k_base = k_ptr + b * skb + hk * skh
-    qf = _softmax_features(_load_rows(q_base, t0, t_stop, sqt, d_cols, D, BT).to(dt),
-                           _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                           PREC).to(dt)
-    kf = _softmax_features(_load_rows(k_base, t0, t_stop, skt, d_cols, D, BT).to(dt),
-                           _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                           PREC).to(dt)
+    if not SPLIT:
+        qf = _chunk_features(q_base, sqt, pq_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
+                             BT, BD, BM, PREC)
+        kf = _chunk_features(k_base, skt, pk_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
+                             BT, BD, BM, PREC)
     # the key side works with transposed tiles (row = key j, column = query i), so that no
     # register tile needs transposing: mask i >= j either way
     if SIDE == 0:
         causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
     else:
         causal = tl.arange(0, BT)[None, :] >= tl.arange(0, BT)[:, None]
-        A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
+        if not SPLIT:
+            A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
     st = pid_bh * NT + c
     if NORM != 1:
         den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
@@ -474,166 +522,54 @@ def asa_bwd_chunk_kernel(
             dA += tl.dot(vc, tl.trans(g), input_precision=PREC)
             dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
             dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-            dv = tl.dot(A_t, g, input_precision=PREC)
-            dv += tl.dot(kf, dS, input_precision=PREC)
-            tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
-                     dv.to(dv_ptr.dtype.element_ty), mask=vmask)
+            if not SPLIT:
+                dv = tl.dot(A_t, g, input_precision=PREC)
+                dv += tl.dot(kf, dS, input_precision=PREC)
+                tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                         dv.to(dv_ptr.dtype.element_ty), mask=vmask)
     dA = tl.where(causal, dA, 0.0).to(dt)
+    if SPLIT:  # the features only now: none was live while dA was built
+        qf = _chunk_features(q_base, sqt, pq_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
+                             BT, BD, BM, PREC)
+        kf = _chunk_features(k_base, skt, pk_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
+                             BT, BD, BM, PREC)
     if SIDE == 0:
         dfeat += tl.dot(dA, kf, input_precision=PREC)
         x_base, x_stride, p_ptr = q_base, sqt, pq_ptr
     else:
         dfeat += tl.dot(dA, qf, input_precision=PREC)
         x_base, x_stride, p_ptr = k_base, skt, pk_ptr
-    # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
-    p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
-    f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt), p,
-                            feat_mask, row_mask, PREC)
-    dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
-    tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & feat_mask[None, :])
-    dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
-    tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :], dx.to(dx_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & (d_cols[None, :] < D))
-
-
-@triton.jit
-def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
-                        D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
-                        BM: tl.constexpr, BDX: tl.constexpr, PREC: tl.constexpr):
-    """The softmax backward of one side and its stores: dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32
-    features (recomputed), dx = dℓ Pᵀ written BDX columns at a time (a [BT, BD] fp32 tile at
-    once is what made the one-pass kernel spill)."""
-    dt = x_base.dtype.element_ty
-    d_cols = tl.arange(0, BD)
-    f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt),
-                            _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
-    dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
-    m_idx = tl.arange(0, BM)
-    tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & feat_mask[None, :])
-    dl = dl.to(dt)
-    for d0 in tl.static_range(0, BD, BDX):
-        d_blk = d0 + tl.arange(0, BDX)
-        p_blk = tl.load(p_ptr + h * D * M + d_blk[:, None] * M + m_idx[None, :],
-                        mask=(d_blk[:, None] < D) & feat_mask[None, :], other=0.0).to(dt)
-        dx = tl.dot(dl, tl.trans(p_blk), input_precision=PREC)
-        tl.store(dx_ptr + o_rows[:, None] * D + d_blk[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (d_blk[None, :] < D))
-
-
-@triton.jit
-def asa_bwd_chunk_split_kernel(
-    q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-    states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
-    dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
-    T, H, G, D, M, DV, NT, NV,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr,
-    BDX: tl.constexpr,
-):
-    """``asa_bwd_chunk_kernel`` with fewer live registers (cfg ``bwd_split``), same arguments
-    and results:
-
-    * no feature tile is live during the pass over the Dv blocks that builds dA (they are made
-      after it);
-    * the key side runs a second pass over the Dv blocks for Aᵀ and dv, reading dO and dS
-      again, so that dA and Aᵀ are never live together;
-    * both sides write dx in column blocks of BDX (``_feature_grad_store``).
-
-    Spills per thread in a local sm_90 compile (Triton 3.9, ptxas -v; the device has 3.6), BT =
-    128, 8 warps: query side 1376 → 648 bytes at BV = 64 (1708 → 1424 at BV = 128); key side
-    about unchanged (3212 → 3748 at BV = 64, 5144 → 4992 at BV = 128). The key side's pressure
-    is elsewhere, not yet found."""
-    c, pid_bh = tl.program_id(0), tl.program_id(1)
-    b, h = pid_bh // H, pid_bh % H
-    hk = h // G
-    dt = q_ptr.dtype.element_ty
-    t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
-    rows = t0 + tl.arange(0, BT)
-    row_mask = rows < t_stop
-    d_cols = tl.arange(0, BD)
-    m_idx = tl.arange(0, BM)
-    feat_mask = m_idx < M
-    q_base = q_ptr + b * sqb + h * sqh
-    k_base = k_ptr + b * skb + hk * skh
-    v_base = v_ptr + b * svb + hk * svh
-    st = pid_bh * NT + c
-    if NORM != 1:
-        den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
-    o_rows = (b * T + rows) * H + h
-    # rows = query i, columns = key j on the query side; transposed (rows = key j) on the key side
-    if SIDE == 0:
-        causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
+        if SPLIT:  # second pass: dv = Aᵀ g + k' dS, dO and dS read again
+            A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
+            for vb in range(0, NV):
+                v_cols = vb * BV + tl.arange(0, BV)
+                vmask = row_mask[:, None] & (v_cols[None, :] < DV)
+                sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
+                g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
+                            other=0.0).to(tl.float32)
+                if NORM != 1:
+                    g = g / den[:, None]
+                dS = tl.load(dstates_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :],
+                             mask=sv_mask, other=0.0).to(dt)
+                dv = tl.dot(A_t, g.to(dt), input_precision=PREC)
+                dv += tl.dot(kf, dS, input_precision=PREC)
+                tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                         dv.to(dv_ptr.dtype.element_ty), mask=vmask)
+    if SPLIT:
+        _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr,
+                            dx_ptr, D, M, feat_mask, row_mask, BT, BD, BM, BDX, PREC)
     else:
-        causal = tl.arange(0, BT)[None, :] >= tl.arange(0, BT)[:, None]
-    if NORM == 0:
-        r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
-        if SIDE == 0:
-            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
-            z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-            dfeat = r[:, None] * z[None, :]
-        else:
-            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[None, :]
-            dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-            dfeat = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
-    else:
-        dA = tl.zeros([BT, BT], dtype=tl.float32)
-        dfeat = tl.zeros([BT, BM], dtype=tl.float32)
-    # pass 1: dA over all Dv blocks, and the state term of df
-    for vb in range(0, NV):
-        v_cols = vb * BV + tl.arange(0, BV)
-        vmask = row_mask[:, None] & (v_cols[None, :] < DV)
-        sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
-        s_off = st * M * DV + m_idx[:, None] * DV + v_cols[None, :]
-        vc = _load_rows(v_base, t0, t_stop, svt, v_cols, DV, BT).to(dt)
-        g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
-                    other=0.0).to(tl.float32)
-        if NORM != 1:
-            g = g / den[:, None]
-        g = g.to(dt)
-        if SIDE == 0:
-            dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
-            S = tl.load(states_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
-            dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
-        else:
-            dA += tl.dot(vc, tl.trans(g), input_precision=PREC)
-            dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
-            dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-    dA = tl.where(causal, dA, 0.0).to(dt)
-    # the features are made where they are needed, so none is live during pass 1
-    qf = _softmax_features(_load_rows(q_base, t0, t_stop, sqt, d_cols, D, BT).to(dt),
-                           _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                           PREC).to(dt)
-    kf = _softmax_features(_load_rows(k_base, t0, t_stop, skt, d_cols, D, BT).to(dt),
-                           _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                           PREC).to(dt)
-    if SIDE == 0:
-        dfeat += tl.dot(dA, kf, input_precision=PREC)
-        _feature_grad_store(dfeat, q_base, sqt, pq_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
-                            D, M, feat_mask, row_mask, BT, BD, BM, BDX, PREC)
-    else:
-        dfeat += tl.dot(dA, qf, input_precision=PREC)
-        # pass 2 (key side): dv = Aᵀ g + k' dS, with dO and dS read again
-        A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
-        for vb in range(0, NV):
-            v_cols = vb * BV + tl.arange(0, BV)
-            vmask = row_mask[:, None] & (v_cols[None, :] < DV)
-            sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
-            s_off = st * M * DV + m_idx[:, None] * DV + v_cols[None, :]
-            g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
-                        other=0.0).to(tl.float32)
-            if NORM != 1:
-                g = g / den[:, None]
-            g = g.to(dt)
-            dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
-            dv = tl.dot(A_t, g, input_precision=PREC)
-            dv += tl.dot(kf, dS, input_precision=PREC)
-            tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
-                     dv.to(dv_ptr.dtype.element_ty), mask=vmask)
-        _feature_grad_store(dfeat, k_base, skt, pk_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
-                            D, M, feat_mask, row_mask, BT, BD, BM, BDX, PREC)
+        # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
+        d_cols = tl.arange(0, BD)
+        p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
+        f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt),
+                                p, feat_mask, row_mask, PREC)
+        dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
+        tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & feat_mask[None, :])
+        dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
+        tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
 
 
 @triton.jit

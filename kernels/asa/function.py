@@ -22,7 +22,6 @@ from ..common import check_int32_offsets
 
 from .chunk import (
     asa_bwd_chunk_kernel,
-    asa_bwd_chunk_split_kernel,
     asa_bwd_dp_kernel,
     asa_bwd_r_kernel,
     asa_bwd_states_kernel,
@@ -72,7 +71,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     the running sums and the final state stay fp32.
 
     bwd_split (off until measured, never run on a GPU): the gradient kernel with fewer live
-    registers (``asa_bwd_chunk_split_kernel``); at BT = 128 the one-pass kernel spills 1.4–1.7
+    registers (``asa_bwd_chunk_kernel``'s SPLIT); at BT = 128 the one-pass kernel spills 1.4–1.7
     KB (query side) and 3–5 KB (key side) per thread in a local sm_90 compile (Triton 3.9's
     ptxas -v), the split one halves the query side's at BV_bwd = 64 (see its docstring).
 
@@ -368,11 +367,10 @@ class ASAChunkFunction(torch.autograd.Function):
         dl_dtype = q.dtype if cfg["dl_half"] else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
-        kernel, extra = asa_bwd_chunk_kernel, {}
-        if cfg["bwd_split"]:  # fewer live registers (see the kernel); dx in column blocks
-            kernel, extra = asa_bwd_chunk_split_kernel, dict(BDX=min(cfg["BDX"], cfg["BD"]))
+        split = bool(cfg["bwd_split"])  # fewer live registers; dx in BDX-column blocks
+        bdx = min(cfg["BDX"], cfg["BD"]) if split else cfg["BD"]
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):
-            kernel[(NT, B * H)](
+            asa_bwd_chunk_kernel[(NT, B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
                 dx, dv_h, dl, chunks if chunks is not None else den,
                 T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
@@ -380,7 +378,7 @@ class ASAChunkFunction(torch.autograd.Function):
                 v.stride(0), v.stride(1), v.stride(2),
                 BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
                 PREC=cfg["PREC"], SIDE=side, VARLEN=chunks is not None,
-                num_warps=cfg["bwd_warps"], num_stages=cfg["stages"], **extra)
+                SPLIT=split, BDX=bdx, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
