@@ -130,7 +130,7 @@ stage_superlinear_ab() {
   local ALL='"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true'
   for launch in '{}' '{"window_dkdv": true}' '{"span_dkdv": true}' '{"elementwise_mix": true}' "{$ALL}"; do
     MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
-      --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 --lengths 16384,32768,65536 \
+      --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 --lengths "${SL_LENGTHS:-16384,65536}" \
       --profile --json "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".json \
       > "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log 2>&1
     echo "superlinear launch $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log
