@@ -98,11 +98,13 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 29, 4, 2, 16), dict(sw_index=1, forward_factor=0.5), dtype)
 
 
-# launch options window_dkdv and span_dkdv (off by default): dK, dV key-centric, no atomics
+# launch options window_dkdv and span_dkdv (on by default): dK, dV key-centric, no atomics;
+# each alone, both, and neither (the query-centric backward with atomic adds)
 LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
-WINDOW_DKDV = '{"window_dkdv": true}'
-SPAN_DKDV = '{"span_dkdv": true}'
+WINDOW_DKDV = '{"window_dkdv": true, "span_dkdv": false}'
+SPAN_DKDV = '{"window_dkdv": false, "span_dkdv": true}'
 BOTH_DKDV = '{"window_dkdv": true, "span_dkdv": true}'
+NO_OPTIONS = '{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false}'
 
 
 class _CountedLaunches:
@@ -175,9 +177,22 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
                         real_einsum(*a, **kw))
     _compare(shape, knobs, torch.float32)
     assert not [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
-    monkeypatch.setenv(LAUNCH_ENV, "{}")
-    _compare(shape, knobs, torch.float32)  # and the default takes them (the probe works)
+    monkeypatch.delenv(LAUNCH_ENV)
+    _compare(shape, knobs, torch.float32)  # the default takes them too
+    assert not [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
+    monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
+    _compare(shape, knobs, torch.float32)  # all off: the einsums (the probe works)
     assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_without_launch_options_fp32(shape, knobs, monkeypatch):
+    """The query-centric backward (atomic dK, dV adds) and the einsum gate, all options off."""
+    monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
+    counted = _CountedLaunches(KERNEL.function.span_bwd_dkdv_kernel)
+    monkeypatch.setattr(KERNEL.function, "span_bwd_dkdv_kernel", counted)
+    _compare(shape, knobs, torch.float32)
+    assert counted.launches == 0
 
 
 def test_span_tile_ranges_cover_every_reaching_pair():
@@ -266,8 +281,8 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_all_launch_options_gpu(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
+def test_without_launch_options_gpu(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
 

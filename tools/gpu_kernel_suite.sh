@@ -123,17 +123,20 @@ stage_deconstructed() {
 }
 
 stage_superlinear_ab() {
-  # superlinear's launch options (kernels/superlinear/function.py: launch_options), off until
-  # this passes: their GPU tests, then the default against each option and all of them
+  # superlinear's launch options (kernels/superlinear/function.py: launch_options, all on by
+  # default since session 4's A/B): their GPU tests (the options-off path included), then the
+  # default against cuDNN, and with every option off
   GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
     "$R/tests/test_superlinear_kernel.py"
-  local ALL='"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true'
-  for launch in '{}' '{"window_dkdv": true}' '{"span_dkdv": true}' '{"elementwise_mix": true}' "{$ALL}"; do
+  local OFF='"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false'
+  for launch in '{}' "{$OFF}"; do
+    local tag; tag=$(echo "$launch" | tr -dc 'a-z_')
     MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
-      --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 --lengths "${SL_LENGTHS:-16384,65536}" \
-      --profile --json "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".json \
-      > "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log 2>&1
-    echo "superlinear launch $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_sl_$(echo "$launch" | tr -dc 'a-z_')".log
+      --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 \
+      --lengths "${SL_LENGTHS:-16384,32768,65536}" --profile --json "$LOGS/bench_sl_$tag.json" \
+      > "$LOGS/bench_sl_$tag.log" 2>&1
+    echo "superlinear launch $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_sl_$tag.log"
+    grep -E '^profile' "$LOGS/bench_sl_$tag.log"
   done
 }
 

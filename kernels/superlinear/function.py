@@ -33,6 +33,7 @@ The decode step has its own kernels (``decode.py``).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -71,7 +72,11 @@ LAUNCH_ENV = "MEGATRON_SUBQ_SUPERLINEAR_LAUNCH"  # JSON overrides of the options
 
 
 def launch_options() -> dict:
-    """Kernel choices beyond the block sizes, off by default until GPU-tested and measured.
+    """Kernel choices beyond the block sizes: each was off until GPU-tested and measured; all
+    three are on since the H100 A/B of docs/benchmarks.md (2026-11-22, B = 1, H = 16, d = 128,
+    fwd+bwd: 35.5 → 19.7 ms at T = 16K, 235.7 → 149.9 ms at 64K with all three; each alone
+    also wins). Off, the kernels take the query-centric backward with atomic dK, dV adds and
+    the gate's einsums (kept: the tests compare both paths).
 
     * window_dkdv: the window's dK, dV from ``window_bwd_dkdv_kernel`` (key-centric, each key
       block's sums in registers, written once) instead of atomic adds from the query-centric
@@ -86,7 +91,7 @@ def launch_options() -> dict:
       (≈ 13 ms of fp32 GEMM and ≈ 6 ms of GEMV kernels at T = 64K, H100 profile).
 
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read on every call."""
-    options = dict(window_dkdv=False, span_dkdv=False, elementwise_mix=False)
+    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -289,11 +294,9 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     check_int32_offsets("superlinear_attention_kernel", q=q.numel(), k=k.numel(),
                         per_anchor_outputs=B * T * H * topk * D)
     cfg = launch_config(D, block_m, block_n)
-    plan = superlinear_plan(T, search_power, span_power, backward_factor, forward_factor,
-                            sw_index, device=q.device)
-    offsets = plan.offsets.to(torch.int32)
-    if offsets.numel() == 0:  # no query has an anchor (the window covers every prefix)
-        offsets = torch.full((1,), T, dtype=torch.int32, device=q.device)
+    device_plan = _training_plan(T, search_power, span_power, backward_factor, forward_factor,
+                                 sw_index, q.device)
+    plan, offsets = device_plan.plan, device_plan.offsets_i32
 
     with torch.no_grad():
         sel_t, _ = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
@@ -373,11 +376,26 @@ class _DevicePlan:
     offsets_i32: torch.Tensor  # the search kernel's offset table (never empty)
 
 
-def _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
-                 sw_index, device) -> _DevicePlan:
-    plan = superlinear_plan_range(start, stop, search_power, span_power, backward_factor,
-                                  forward_factor, sw_index, device=device)
+def _with_offsets(plan: SuperlinearPlan, stop: int, device) -> _DevicePlan:
     offsets = plan.offsets.to(torch.int32)
     if offsets.numel() == 0:  # no query has an anchor (the window covers every prefix)
         offsets = torch.full((1,), stop, dtype=torch.int32, device=device)
     return _DevicePlan(plan, offsets)
+
+
+# Plans depend on positions and knobs only, so they are built once per shape and kept on the
+# device: building one costs milliseconds of host time at 64K tokens, and its host-to-device
+# copies (pageable memory) can stall the host until the GPU has drained. Nothing writes to them.
+@functools.lru_cache(maxsize=16)
+def _training_plan(T, search_power, span_power, backward_factor, forward_factor, sw_index,
+                   device) -> _DevicePlan:
+    return _with_offsets(superlinear_plan(T, search_power, span_power, backward_factor,
+                                          forward_factor, sw_index, device=device), T, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
+                 sw_index, device) -> _DevicePlan:
+    return _with_offsets(superlinear_plan_range(start, stop, search_power, span_power,
+                                                backward_factor, forward_factor, sw_index,
+                                                device=device), stop, device)

@@ -1,0 +1,145 @@
+"""Where the host's time goes in a short-sequence ASA step (one GPU).
+
+    python tools/host_overhead.py --json host.json
+
+At 2K tokens ASA's kernels take ≈ 0.2 ms fwd+bwd but a call takes ≈ 1 ms of wall time: the host
+(Python, autograd, allocations, Triton's launch path) is the bound. This measures its parts
+without a profiler (cProfile inflates every Python call):
+
+* ``step_us``: wall time per fwd+bwd of ``ops.asa_attention`` (and of cuDNN SDPA for scale) at a
+  length where the GPU work is negligible (T = 128), queued back to back, one sync at the end;
+* ``jit_launch_us``: one ``kernel[grid](...)`` of the r kernel (6 arguments) and of the output
+  kernel (≈ 30 arguments) — Triton's binder, specialisation key, cache lookup and launcher;
+* ``direct_launch_us``: the same compiled kernels launched through their ``CompiledKernel``
+  handle (no binder, no key), the floor a launch cache could reach;
+* ``empty_us``: one ``torch.empty`` from the caching allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import sys
+import time
+
+import torch
+import triton
+
+
+def _per_call_us(fn, calls: int) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("host_overhead.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from megatron_subq.kernels.asa import function as asa_fn  # noqa: PLC0415
+    from megatron_subq.ops import asa_attention  # noqa: PLC0415
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "date": str(datetime.date.today()),
+                 "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                 "triton": triton.__version__, "torch": torch.__version__}
+    B, H, D, m = 1, 16, 128, 64
+    dt = torch.bfloat16
+    for T in (128, 2048):
+        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=dt, requires_grad=True)
+                   for _ in range(3))
+        p_q, p_k = (torch.randn(H, D, m, device="cuda", dtype=dt, requires_grad=True)
+                    for _ in range(2))
+        g = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+
+        def asa_fwd():
+            with torch.no_grad():
+                asa_attention(q, k, v, p_q, p_k, "linear")
+
+        def asa_step():
+            asa_attention(q, k, v, p_q, p_k, "linear").backward(g)
+
+        qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+
+        def sdpa_step():
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).backward(g.transpose(1, 2))
+
+        for name, fn in (("asa_fwd", asa_fwd), ("asa_fwd_bwd", asa_step), ("cudnn_fwd_bwd", sdpa_step)):
+            res[f"step_us[{name},T={T}]"] = _per_call_us(fn, args.calls)
+
+    # single launches: the r kernel (few arguments) and the output kernel (many)
+    T = 128
+    cfg = asa_fn._launch(D, m, D, dt)
+    o = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+    den = torch.rand(B, H, T, device="cuda") + 1
+    r = torch.empty_like(den)
+    grid_r = (triton.cdiv(T, cfg["BT"]), B * H)
+    r_args = (g[:, :T], o, den, r, T, H, D)
+    r_const = dict(BT=cfg["BT"], BV=asa_fn._pow2(D), num_warps=4)
+
+    def jit_r():
+        asa_fn.asa_bwd_r_kernel[grid_r](*r_args, **r_const)
+
+    res["jit_launch_us[r]"] = _per_call_us(jit_r, args.calls * 4)
+    try:  # CompiledKernel's runner takes every kernel argument, constexprs included
+        compiled = asa_fn.asa_bwd_r_kernel.warmup(*r_args, grid=grid_r, **r_const)
+        runner = compiled[grid_r]
+        const_vals = (cfg["BT"], asa_fn._pow2(D))
+        res["direct_launch_us[r]"] = _per_call_us(lambda: runner(*r_args, *const_vals),
+                                                  args.calls * 4)
+    except Exception as exc:  # an internal API: record, do not stop
+        res["direct_launch_us[r]"] = f"failed: {exc!r}"
+
+    q = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    p_q = torch.randn(H, D, m, device="cuda", dtype=dt)
+    p_k = torch.randn_like(p_q)
+    states, zs, _ = asa_fn._chunk_states(k, v, p_k, None, None, cfg, H, 1, False)
+    NT = states.shape[2]
+    out = torch.empty_like(q)
+    grid_o = (NT, triton.cdiv(D, cfg["BV_out"]), B * H)
+    o_args = (q, k, v, p_q, p_k, states, zs, den, out, den, den, T, H, 1, D, m, D, NT,
+              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+              v.stride(0), v.stride(1), v.stride(2))
+    o_const = dict(BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=0,
+                   PREC=cfg["PREC"], VARLEN=False)
+    launch = dict(num_warps=cfg["out_warps"], num_stages=cfg["stages"])
+
+    def jit_o():
+        asa_fn.asa_fwd_out_kernel[grid_o](*o_args, **o_const, **launch)
+
+    res["jit_launch_us[out]"] = _per_call_us(jit_o, args.calls * 4)
+    try:
+        compiled = asa_fn.asa_fwd_out_kernel.warmup(*o_args, grid=grid_o, **o_const, **launch)
+        runner_o = compiled[grid_o]
+        o_vals = tuple(o_const.values())
+        res["direct_launch_us[out]"] = _per_call_us(lambda: runner_o(*o_args, *o_vals),
+                                                    args.calls * 4)
+    except Exception as exc:
+        res["direct_launch_us[out]"] = f"failed: {exc!r}"
+    res["empty_us"] = _per_call_us(lambda: torch.empty(B, T, H, D, device="cuda", dtype=dt),
+                                   args.calls * 4)
+    for key, val in res.items():
+        print(f"{key:40s} {val:.1f}" if isinstance(val, float) else f"{key:40s} {val}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
