@@ -31,6 +31,7 @@ from megatron_subq.testing.kernels import (  # noqa: E402
     BOUNDS,
     DEVICE,
     count_calls,
+    graph_replay_matches_eager,
     kernel_package,
     rel_rms,
 )
@@ -386,6 +387,19 @@ def test_launch_options_gpu(case, monkeypatch):
     else:
         _compare_packed("linear", torch.float32, bounds=[0, 1, 700, 1000, 1001, 1064, 2048],
                         sizes=(8, 2, 128, 64, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("normalize", ["linear", "mean"])
+def test_cuda_graph_replay_gpu(normalize):
+    """fwd+bwd captured in a CUDA graph and replayed on new values equals eager: the kernel
+    path has no host sync and no host-held value that goes stale (CUDA-graphed steps, and the
+    graph timings of tools/bench_ops.py --cuda-graph)."""
+    inputs = _inputs(1, 2048, 8, 2, 128, 64, 128, torch.bfloat16)
+    grad_out = torch.randn(1, 2048, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    errors = graph_replay_matches_eager(
+        lambda *a: ops.asa_attention(*a, normalize=normalize, impl="kernel"), inputs, grad_out)
+    assert max(errors.values()) < 1e-6, errors
 
 
 @pytest.mark.gpu

@@ -26,7 +26,13 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_subq.testing.kernels import BOUNDS, DEVICE, kernel_package, rel_rms  # noqa: E402
+from megatron_subq.testing.kernels import (  # noqa: E402
+    BOUNDS,
+    DEVICE,
+    graph_replay_matches_eager,
+    kernel_package,
+    rel_rms,
+)
 
 import megatron_subq as subq  # noqa: E402
 from megatron_subq import ops  # noqa: E402
@@ -183,6 +189,17 @@ def test_kernel_long_sequence_gpu():
     out = ops.nonapprox_attention(*args, impl="kernel")
     ref = nonapprox_attention_chunked(*(a.detach().float() for a in args))[0]
     assert rel_rms(out, ref) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    """fwd+bwd captured in a CUDA graph and replayed on new values equals eager (no host sync,
+    no stale host-held value)."""
+    inputs = _inputs(1, 2048, 8, 2, 128, torch.bfloat16)
+    grad_out = torch.randn(1, 2048, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    errors = graph_replay_matches_eager(
+        lambda *a: ops.nonapprox_attention(*a, impl="kernel"), inputs, grad_out)
+    assert max(errors.values()) < 1e-6, errors
 
 
 @pytest.mark.gpu

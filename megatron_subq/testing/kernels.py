@@ -56,3 +56,35 @@ def count_calls(monkeypatch, module: ModuleType, names) -> dict:
             return _fn(*args, **kwargs)
         monkeypatch.setattr(module, name, counted)
     return calls
+
+
+def graph_replay_matches_eager(fn, inputs, grad_out: torch.Tensor, seed: int = 0) -> dict:
+    """Capture ``fn(*inputs)`` forward and backward in one CUDA graph (what a CUDA-graphed
+    training step runs), put new values into the inputs, replay, and compare output and input
+    gradients with an eager call on those values. A kernel that syncs with the host or reads a
+    host value that changes between calls breaks the capture or the comparison. Returns the
+    largest ``rel_rms`` per output name (``out``, ``grad0``...), which must be ≈ 0 (the same
+    kernels on the same values; only atomics could reorder sums)."""
+
+    def step():
+        out = fn(*inputs)
+        return (out,) + torch.autograd.grad(out, inputs, grad_out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles, allocator pools) off the capture stream
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    g = torch.Generator(device=inputs[0].device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, generator=g, device=x.device, dtype=torch.float32))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    names = ["out"] + [f"grad{i}" for i in range(len(inputs))]
+    return {n: rel_rms(c, e) for n, c, e in zip(names, captured, eager)}
