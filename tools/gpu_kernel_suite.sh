@@ -63,15 +63,16 @@ stage_asa_ab() {
 
 gpu_tests() {
   # every GPU test id of the given test files (those matching $GPU_K if set) in its own process,
-  # 15 at a time: a test's time is almost all Triton compiling, one core per process.
+  # $GPU_P (15) at a time: a test's time is almost all Triton compiling, one core per process
+  # (fewer where the fp32 references need GPU memory: superlinear's ran out at 15).
   # Log: $LOGS/tests_$1.log
   local tag=$1; shift
   (cd /tmp && python3 -m pytest -q -p no:cacheprovider -m gpu -k "${GPU_K:-}" --collect-only "$@" 2>/dev/null \
      | grep '::' | sed "s|^tests/|$R/tests/|" > "$LOGS/ids_$tag.txt")
-  (cd /tmp && xargs -P 15 -I{} -d '\n' timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s \
+  (cd /tmp && xargs -P "${GPU_P:-15}" -I{} -d '\n' timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s \
      -p no:cacheprovider -m gpu "{}" < "$LOGS/ids_$tag.txt" > "$LOGS/tests_$tag.log" 2>&1)
   echo "$tag: $(wc -l < "$LOGS/ids_$tag.txt") test ids; $(grep -cE '^[0-9]+ passed' "$LOGS/tests_$tag.log") passed," \
-       "$(grep -cE '(failed|error)' "$LOGS/tests_$tag.log") failed/errors"
+       "$(grep -cE '^[0-9]+ (passed, )?[0-9]* ?(failed|error)' "$LOGS/tests_$tag.log") failed/errors"
   grep -E '(FAILED|ERROR|Error|rc 1)' "$LOGS/tests_$tag.log" | head -20
 }
 
@@ -122,11 +123,17 @@ stage_deconstructed() {
   done
 }
 
+stage_graphs() {
+  # CUDA-graph capture of the linear-time ops (tests), then the host's share of a short step
+  GPU_K=graph gpu_tests graphs "$R/tests/test_asa_kernel.py" "$R/tests/test_nonapprox_kernel.py"
+  (cd /tmp && python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" 2>&1 | tail -30)
+}
+
 stage_superlinear_ab() {
   # superlinear's launch options (kernels/superlinear/function.py: launch_options, all on by
   # default since session 4's A/B): their GPU tests (the options-off path included), then the
   # default against cuDNN, and with every option off
-  GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
+  GPU_P=${GPU_P:-4} GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
     "$R/tests/test_superlinear_kernel.py"
   local OFF='"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false'
   for launch in '{}' "{$OFF}"; do
@@ -174,11 +181,12 @@ for stage in "$@"; do
     asa-check) stage_asa_check ;;
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
+    graphs) stage_graphs ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

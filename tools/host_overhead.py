@@ -131,6 +131,43 @@ def main(argv=None) -> int:
                                                     args.calls * 4)
     except Exception as exc:
         res["direct_launch_us[out]"] = f"failed: {exc!r}"
+    # the backward's parts, each alone (T = 128: the GPU work is negligible)
+    kq, kk, kv = (torch.randn(B, T, H, D, device="cuda", dtype=dt, requires_grad=True)
+                  for _ in range(3))
+    kp_q, kp_k = (torch.randn(H, D, m, device="cuda", dtype=dt, requires_grad=True)
+                  for _ in range(2))
+    leaves = (kq, kk, kv, kp_q, kp_k)
+    g = torch.randn(B, T, H, D, device="cuda", dtype=dt)
+
+    def fn_apply():
+        return asa_fn.ASAChunkFunction.apply(kq, kk, kv, kp_q, kp_k, "linear", None, None,
+                                             False, None)[0]
+
+    res["part_us[ASAChunkFunction fwd]"] = _per_call_us(
+        lambda: fn_apply().detach(), args.calls)
+    res["part_us[ASAChunkFunction fwd+grad]"] = _per_call_us(
+        lambda: torch.autograd.grad(fn_apply(), leaves, g), args.calls)
+    o_saved = fn_apply().detach()
+    r_saved = asa_fn._linear_r(g, o_saved, den, cfg)
+    res["part_us[_linear_r]"] = _per_call_us(lambda: asa_fn._linear_r(g, o_saved, den, cfg),
+                                             args.calls)
+    res["part_us[_reverse_states]"] = _per_call_us(
+        lambda: asa_fn._reverse_states(q, p_q, g, den, r_saved, cfg, 0, NT), args.calls)
+    res["part_us[_param_grad]"] = _per_call_us(
+        lambda: asa_fn._param_grad(q, torch.empty(B, T, H, m, device="cuda", dtype=dt), 1, cfg),
+        args.calls)
+
+    class Identity(torch.autograd.Function):  # the autograd engine's own cost, for scale
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, d):
+            return d
+
+    res["part_us[autograd identity fwd+grad]"] = _per_call_us(
+        lambda: torch.autograd.grad(Identity.apply(kq), (kq,), g), args.calls)
     res["empty_us"] = _per_call_us(lambda: torch.empty(B, T, H, D, device="cuda", dtype=dt),
                                    args.calls * 4)
     for key, val in res.items():
