@@ -129,6 +129,13 @@ stage_graphs() {
   (cd /tmp && python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" 2>&1 | tail -30)
 }
 
+stage_superlinear_tests() {
+  # every superlinear GPU test (kernel and decode), $GPU_P (3) at a time: their fp32 references
+  # need GPU memory
+  GPU_P=${GPU_P:-3} gpu_tests superlinear "$R/tests/test_superlinear_kernel.py" \
+    "$R/tests/test_superlinear_decode.py"
+}
+
 stage_superlinear_ab() {
   # superlinear's launch options (kernels/superlinear/function.py: launch_options, all on by
   # default since session 4's A/B): their GPU tests (the options-off path included), then the
@@ -182,11 +189,12 @@ for stage in "$@"; do
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
     graphs) stage_graphs ;;
+    superlinear-tests) stage_superlinear_tests ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
