@@ -300,11 +300,20 @@ def test_launch_chunking(launch, monkeypatch):
 @pytest.mark.parametrize("launch", ['{"dl_half": false}', '{"states_half": true}',
                                     '{"states_half": true, "fused_scan": false}'])
 def test_launch_option_half_buffers(launch, monkeypatch):
-    """dℓ (between the gradient and dP kernels; half by default) and the chunk states (fp32 by
-    default) in either precision, with half inputs."""
+    """dℓ (between the gradient and dP kernels; half by default) and the chunk states (bf16 by
+    default for bf16 inputs, else fp32) in either precision, with half inputs."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
     _compare_packed("mean", torch.float16)
+
+
+def test_states_half_only_for_bf16():
+    """bf16 chunk states by default (fp32's range); never fp16's, whose range a state (a sum
+    over every earlier token) outgrows at long T."""
+    launch = KERNEL.function._launch
+    assert launch(128, 64, 128, torch.bfloat16)["states_half"]
+    assert not launch(128, 64, 128, torch.float16)["states_half"]
+    assert not launch(128, 64, 128, torch.float32)["states_half"]
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))

@@ -40,6 +40,73 @@ def _per_call_us(fn, calls: int) -> float:
     return host / calls * 1e6
 
 
+def _attribute(asa_fn, step, calls: int) -> dict:
+    """Host µs per ``step`` spent inside each Triton launch and helper of
+    kernels/asa/function.py and inside ``ASAChunkFunction.forward`` / ``.backward`` (inclusive
+    times; a helper's own launches count in both), measured by wrapping them for the duration."""
+    from triton.runtime.jit import JITFunction  # noqa: PLC0415
+
+    totals: dict = {}
+    patched = []
+
+    def timed(name, fn):
+        totals[name] = 0
+
+        def wrapper(*a, **kw):
+            start = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter_ns() - start
+        return wrapper
+
+    class TimedKernel:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+            totals[name] = 0
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*a, **kw):
+                start = time.perf_counter_ns()
+                launch(*a, **kw)
+                totals[self.name] += time.perf_counter_ns() - start
+            return run
+
+    for name, obj in list(vars(asa_fn).items()):
+        if isinstance(obj, JITFunction):
+            patched.append((asa_fn, name, obj))
+            setattr(asa_fn, name, TimedKernel(f"launch {name}", obj))
+        elif name.startswith("_") and callable(obj) and name in (
+                "_launch", "_chunk_states", "_chunk_delta", "_scan_pair", "_reverse_states",
+                "_linear_r", "_param_grad"):
+            patched.append((asa_fn, name, obj))
+            setattr(asa_fn, name, timed(name, obj))
+    cls = asa_fn.ASAChunkFunction
+    for meth in ("forward", "backward"):
+        fn = cls.__dict__[meth].__func__
+        patched.append((cls, meth, cls.__dict__[meth]))
+        setattr(cls, meth, staticmethod(timed(f"ASAChunkFunction.{meth}", fn)))
+    try:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+        for key in totals:
+            totals[key] = 0
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            step()
+        wall = time.perf_counter_ns() - start
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, obj in patched:
+            setattr(owner, name, obj)
+    out = {"attr_us[step wall, T=128]": wall / calls / 1e3}
+    out.update({f"attr_us[{k}]": v / calls / 1e3 for k, v in sorted(totals.items())})
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=500)
@@ -168,6 +235,8 @@ def main(argv=None) -> int:
 
     res["part_us[autograd identity fwd+grad]"] = _per_call_us(
         lambda: torch.autograd.grad(Identity.apply(kq), (kq,), g), args.calls)
+    res.update(_attribute(asa_fn, lambda: torch.autograd.grad(fn_apply(), leaves, g),
+                          args.calls))
     res["empty_us"] = _per_call_us(lambda: torch.empty(B, T, H, D, device="cuda", dtype=dt),
                                    args.calls * 4)
     for key, val in res.items():

@@ -66,14 +66,17 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     by the gradient kernel and read by the dP reduction, in the inputs' half dtype instead of
     fp32 (half the bytes; dP's products then run on half operands, accumulated in fp32).
 
-    states_half (off until measured): the chunk states S_c and dS_c (the scans' outputs, read
-    by the output and gradient kernels) stored in the inputs' half dtype; the per-chunk deltas,
-    the running sums and the final state stay fp32.
+    states_half (on for bf16 inputs): the chunk states S_c and dS_c (the scans' outputs, read
+    by the output and gradient kernels) stored in bf16; the per-chunk deltas, the running sums
+    and the final state stay fp32. H100, CUDA-graph timing, T = 16K (docs/benchmarks.md):
+    fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for fp16 inputs: a state is a
+    sum over every earlier token (≈ T·|v|), past fp16's 65504 at long T; bf16 has fp32's range.
 
-    bwd_split (off until measured, never run on a GPU): the gradient kernel with fewer live
-    registers (``asa_bwd_chunk_kernel``'s SPLIT); at BT = 128 the one-pass kernel spills 1.4–1.7
-    KB (query side) and 3–5 KB (key side) per thread in a local sm_90 compile (Triton 3.9's
-    ptxas -v), the split one halves the query side's at BV_bwd = 64 (see its docstring).
+    bwd_split (off: measured slower): the gradient kernel with fewer live registers
+    (``asa_bwd_chunk_kernel``'s SPLIT); at BT = 128 the one-pass kernel spills 1.4–1.7 KB
+    (query side) and 3–5 KB (key side) per thread in a local sm_90 compile (Triton 3.9's ptxas
+    -v), the split one halves the query side's at BV_bwd = 64 (see its docstring). On the H100
+    (CUDA-graph timing, 16K) the gradient kernel took 622 µs split against 565 µs one-pass.
 
     The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
     boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
@@ -99,7 +102,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
         stages=1, CPG=16, scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
         scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
-        states_half=False, bwd_split=False, BDX=64,
+        states_half=dtype == torch.bfloat16, bwd_split=False, BDX=64,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
