@@ -286,7 +286,8 @@ def test_launch_option_bwd_split_half(monkeypatch):
 # whether or not that divides the chunk count (T = 300: 5 chunks of 64, 3 of 128), Dv in blocks
 CHUNKING = ['{"BT": 128}', '{"scan_unroll": 1}', '{"scan_unroll": 2}',
             '{"scan_unroll": 4, "scan_block": 16}', '{"scan_unroll": 2, "fused_scan": false}',
-            '{"BV_bwd": 16}']  # the gradient kernel's loop over Dv blocks (Dv = 24: two)
+            '{"BV_bwd": 16}',  # the gradient kernel's loop over Dv blocks (Dv = 24: two)
+            '{"CPG": 2}']  # dP partial sums over several (ragged) groups of chunks
 
 
 @pytest.mark.parametrize("launch", CHUNKING)
@@ -298,22 +299,27 @@ def test_launch_chunking(launch, monkeypatch):
 
 
 @pytest.mark.parametrize("launch", ['{"dl_half": false}', '{"states_half": true}',
-                                    '{"states_half": true, "fused_scan": false}'])
+                                    '{"states_half": true, "fused_scan": false}',
+                                    '{"deltas_half": true}',
+                                    '{"deltas_half": true, "states_half": true, '
+                                    '"fused_scan": false}'])
 def test_launch_option_half_buffers(launch, monkeypatch):
-    """dℓ (between the gradient and dP kernels; half by default) and the chunk states (bf16 by
-    default for bf16 inputs, else fp32) in either precision, with half inputs."""
+    """dℓ (between the gradient and dP kernels; half by default), the chunk states and the
+    per-chunk deltas (bf16 by default for bf16 inputs, else fp32) in either precision, with half
+    inputs."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
     _compare_packed("mean", torch.float16)
 
 
-def test_states_half_only_for_bf16():
-    """bf16 chunk states by default (fp32's range); never fp16's, whose range a state (a sum
-    over every earlier token) outgrows at long T."""
+def test_half_states_only_for_bf16():
+    """bf16 chunk states and deltas by default (fp32's range); never fp16's, whose range a state
+    (a sum over every earlier token) outgrows at long T."""
     launch = KERNEL.function._launch
-    assert launch(128, 64, 128, torch.bfloat16)["states_half"]
-    assert not launch(128, 64, 128, torch.float16)["states_half"]
-    assert not launch(128, 64, 128, torch.float32)["states_half"]
+    for option in ("states_half", "deltas_half"):
+        assert launch(128, 64, 128, torch.bfloat16)[option]
+        assert not launch(128, 64, 128, torch.float16)[option]
+        assert not launch(128, 64, 128, torch.float32)[option]
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))
@@ -375,6 +381,7 @@ def test_kernel_packed_sequences_gpu(dtype):
 @pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32", "bt128-gqa-bf16",
                                   "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16",
                                   "stateshalf-gqa-bf16", "stateshalf-long-fp16",
+                                  "deltashalf-long-fp16",
                                   "split-gqa-bf16", "split-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
     """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
@@ -386,6 +393,8 @@ def test_launch_options_gpu(case, monkeypatch):
         launch["dl_half"] = True
     if case.startswith("stateshalf"):
         launch["states_half"] = True
+    if case.startswith("deltashalf"):
+        launch["deltas_half"] = True
     if case.startswith("split"):
         launch["bwd_split"] = True
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))

@@ -129,6 +129,22 @@ stage_graphs() {
   (cd /tmp && python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" 2>&1 | tail -30)
 }
 
+stage_linear_check() {
+  # after a change to the linear-time kernels or their launch path: the GPU tests of asa,
+  # nonapprox and the direct launcher (one process per id), then asa's default against
+  # $ASA_ALT (a launch option being decided), nonapprox, eager and CUDA-graph timings, and
+  # the host breakdown of a short step
+  gpu_tests linear "$R/tests/test_asa_kernel.py" "$R/tests/test_nonapprox_kernel.py" \
+    "$R/tests/test_direct_launch.py"
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa,nonapprox --baselines dense,fla \
+    --lengths "${LIN_LENGTHS:-2048,16384,65536}" --profile --cuda-graph \
+    --asa-launch '{}' ${ASA_ALT:+--asa-launch "$ASA_ALT"} \
+    --json "$LOGS/bench_linear.json" > "$LOGS/bench_linear.log" 2>&1
+  grep -v '^{' "$LOGS/bench_linear.log" | grep -v '^ *[0-9.]* us ' | tail -40
+  (cd /tmp && timeout 120 python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" \
+     2>&1 | tail -40)
+}
+
 stage_superlinear_tests() {
   # every superlinear GPU test (kernel and decode), $GPU_P (3) at a time: their fp32 references
   # need GPU memory
@@ -189,12 +205,13 @@ for stage in "$@"; do
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
     graphs) stage_graphs ;;
+    linear-check) stage_linear_check ;;
     superlinear-tests) stage_superlinear_tests ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

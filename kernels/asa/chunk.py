@@ -206,7 +206,7 @@ def asa_chunk_delta_kernel(
 
     forward  (x = k of head h // G, y = v):  Δ = k'ᵀ v,  Δz = Σ_t k'_t;
     backward (x = q of head h, y = dO):      Δ = q'ᵀ g,  Δz = Σ_t r_t q'_t  (g = dO/den, linear r).
-    delta: [B*H, NT, M, DV] fp32; dz: [B*H, NT, M] fp32."""
+    delta: [B*H, NT, M, DV] fp32 (bf16 with cfg deltas_half); dz: [B*H, NT, M] fp32."""
     c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hx = h // G
@@ -231,8 +231,8 @@ def asa_chunk_delta_kernel(
         y = _load_rows(y_ptr + b * syb + hx * syh, t0, t_stop, syt, v_cols, DV, BT).to(dt)
     delta = tl.dot(tl.trans(f.to(dt)), y, input_precision=PREC)
     out = pid_bh * NT + c
-    tl.store(delta_ptr + out * M * DV + m_idx[:, None] * DV + v_cols[None, :], delta,
-             mask=feat_mask[:, None] & (v_cols[None, :] < DV))
+    tl.store(delta_ptr + out * M * DV + m_idx[:, None] * DV + v_cols[None, :],
+             delta.to(delta_ptr.dtype.element_ty), mask=feat_mask[:, None] & (v_cols[None, :] < DV))
     if pid_v == 0:
         if BACKWARD:
             if NORM == 0:
@@ -269,7 +269,8 @@ def _prefix_sums(delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, pid_bh, bl
             c = i0 + steps
         at = (pid_bh * NT + c)[:, None] * L + offs[None, :]
         tile_mask = live[:, None] & mask[None, :]
-        vals = tl.load(delta_ptr + at, mask=tile_mask, other=0.0)  # rows past NT: 0
+        # rows past NT: 0; deltas may be stored in half precision (cfg deltas_half), sums fp32
+        vals = tl.load(delta_ptr + at, mask=tile_mask, other=0.0).to(tl.float32)
         if VARLEN:
             if REVERSE:  # the sequence's last chunk: stop == seq_stop
                 restart = (tl.load(chunks_ptr + c * 4 + 1, mask=live, other=0)

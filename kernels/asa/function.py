@@ -8,6 +8,7 @@ final state an output without gradient (for prefill/decode, not for training thr
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -18,19 +19,20 @@ import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
 
-from ..common import check_int32_offsets
+from ..common import DirectLauncher, check_int32_offsets
 
-from .chunk import (
-    asa_bwd_chunk_kernel,
-    asa_bwd_dp_kernel,
-    asa_bwd_r_kernel,
-    asa_bwd_states_kernel,
-    asa_chunk_delta_kernel,
-    asa_chunk_scan_kernel,
-    asa_chunk_scan_pair_kernel,
-    asa_fwd_out_kernel,
-    asa_fwd_states_kernel,
-)
+from . import chunk
+
+# launched through DirectLauncher: a short step is bound by the host's per-launch cost
+asa_bwd_chunk_kernel = DirectLauncher(chunk.asa_bwd_chunk_kernel)
+asa_bwd_dp_kernel = DirectLauncher(chunk.asa_bwd_dp_kernel)
+asa_bwd_r_kernel = DirectLauncher(chunk.asa_bwd_r_kernel)
+asa_bwd_states_kernel = DirectLauncher(chunk.asa_bwd_states_kernel)
+asa_chunk_delta_kernel = DirectLauncher(chunk.asa_chunk_delta_kernel)
+asa_chunk_scan_kernel = DirectLauncher(chunk.asa_chunk_scan_kernel)
+asa_chunk_scan_pair_kernel = DirectLauncher(chunk.asa_chunk_scan_pair_kernel)
+asa_fwd_out_kernel = DirectLauncher(chunk.asa_fwd_out_kernel)
+asa_fwd_states_kernel = DirectLauncher(chunk.asa_fwd_states_kernel)
 
 NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
 LAUNCH_ENV = "MEGATRON_SUBQ_ASA_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
@@ -45,7 +47,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
 
     BT: tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles); BV_*: Dv
     block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
-    per program of the dP reduction; scan: "parallel" (per-chunk deltas in parallel, then a
+    per program of the dP reduction ("auto": about two programs per SM, at most 16 chunks each —
+    with a fixed 16 the 2K-token reduction ran 16 programs, 54 µs of a 214 µs step on an H100);
+    scan: "parallel" (per-chunk deltas in parallel, then a
     streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
     its latency grows with T/BT); scan_block, scan_unroll, scan_warps, scan_stages: the
     prefix-sum kernel's values per program, chunks per step, warps and stages.
@@ -71,6 +75,11 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     and the final state stay fp32. H100, CUDA-graph timing, T = 16K (docs/benchmarks.md):
     fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for fp16 inputs: a state is a
     sum over every earlier token (≈ T·|v|), past fp16's 65504 at long T; bf16 has fp32's range.
+
+    deltas_half (on for bf16 inputs; the same reasons as states_half): the per-chunk state
+    contributions k'ᵀv and q'ᵀg, written by the delta kernel and read once by the scan, in bf16
+    (the scan sums them in fp32). At T = 64K they are 268 MB per pass in fp32, written and read
+    in the forward and again in the backward — ≈ 1 GB of the step's traffic.
 
     bwd_split (off: measured slower): the gradient kernel with fewer live registers
     (``asa_bwd_chunk_kernel``'s SPLIT); at BT = 128 the one-pass kernel spills 1.4–1.7 KB
@@ -100,9 +109,10 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         BV_bwd=min(64 if big_tiles else 128, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
-        stages=1, CPG=16, scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
+        stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
         scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
-        states_half=dtype == torch.bfloat16, bwd_split=False, BDX=64,
+        states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
+        bwd_split=False, BDX=64,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -200,7 +210,8 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
     B, T, _, D = x.shape
     Dv, m = y.shape[3], p.shape[2]
     NT = _num_chunks(T, cfg, chunks)
-    delta = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=x.device)
+    delta = torch.empty(B, H, NT, m, Dv, device=x.device,
+                        dtype=x.dtype if cfg["deltas_half"] else torch.float32)
     # every program writes its dz except in the backward without the linear normalisation
     # (no r), where the z sums are unused but still scanned: zeros then, else no fill launch
     alloc = torch.zeros if backward and norm != 0 else torch.empty
@@ -282,12 +293,20 @@ def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
     return r
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
     B, T, _, D = x.shape
     H, m = dl.shape[2], dl.shape[3]
     NT = triton.cdiv(T, cfg["BT"])
-    cpg = max(1, min(cfg["CPG"], NT))
+    cpg = cfg["CPG"]
+    if cpg == "auto":
+        cpg = triton.cdiv(NT * B * H, 2 * _sm_count(x.device))
+    cpg = max(1, min(cpg, 16, NT))
     n_groups = triton.cdiv(NT, cpg)
     part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
     asa_bwd_dp_kernel[(n_groups, B * H)](
