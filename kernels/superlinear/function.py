@@ -90,7 +90,8 @@ def launch_options() -> dict:
       ``torch.einsum``, which runs them as about 10⁶ tiny fp32 cuBLAS matrix products
       (≈ 13 ms of fp32 GEMM and ≈ 6 ms of GEMV kernels at T = 64K, H100 profile).
 
-    ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read on every call."""
+    ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
+    (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -211,12 +212,12 @@ class SuperlinearSpanFunction(torch.autograd.Function):
     pair, softmax attention over the pair's span keys (outside the window) and the window."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig):
+    def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig, options: dict):
         B, T, H, D = q.shape
         topk = lo.shape[-1]
         a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(q, k, v, lo, hi, window, cfg)
         ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
-        ctx.window, ctx.cfg = window, cfg
+        ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
 
     @staticmethod
@@ -238,7 +239,7 @@ class SuperlinearSpanFunction(torch.autograd.Function):
         dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
         dv = torch.zeros_like(dk)
 
-        options = launch_options()
+        options = ctx.options
         lse, delta = lse.contiguous(), delta.contiguous()
         dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
         span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
@@ -276,7 +277,7 @@ class SuperlinearSpanFunction(torch.autograd.Function):
             dq = dq + dq_w
 
         dq = dq.view(B, H, T, D).transpose(1, 2).to(q.dtype)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
@@ -300,21 +301,24 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
 
     with torch.no_grad():
         sel_t, _ = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
-    gate = _gate(q_s, k, sel_t)
+    options = launch_options()  # read once per call
+    gate = _gate(q_s, k, sel_t, options["elementwise_mix"])
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
-    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg)  # [B, T, H, k, D]
-    out = _mix(gate, a)
+    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg,
+                                      options)  # [B, T, H, k, D]
+    out = _mix(gate, a, options["elementwise_mix"])
     return out.to(out_dtype)
 
 
-def _mix(gate, a):
-    """Σ_slot gate · A_slot: gate [B, T, H, k], a [B, T, H, k, D] (any strides) -> [B, T, H, D]."""
-    if launch_options()["elementwise_mix"]:
+def _mix(gate, a, elementwise: bool):
+    """Σ_slot gate · A_slot: gate [B, T, H, k], a [B, T, H, k, D] (any strides) -> [B, T, H, D]
+    (``elementwise``: launch option elementwise_mix)."""
+    if elementwise:
         return (gate.unsqueeze(-1) * a).sum(-2)
     return torch.einsum("bthk,bthkd->bthd", gate, a)
 
 
-def _gate(q_s, k, sel_t):
+def _gate(q_s, k, sel_t, elementwise: bool):
     """The gate [B, T, H, k] (float32), differentiable in q_s and k: the kept scores recomputed
     from gathered keys, softmax over the kept slots; a query without any anchor gets the one-hot
     gate of slot 0, whose span is empty (pure window attention)."""
@@ -327,7 +331,7 @@ def _gate(q_s, k, sel_t):
     rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
     k_sel = k.reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
     k_sel = k_sel.reshape(B, T, H, topk, D).float()
-    if launch_options()["elementwise_mix"]:
+    if elementwise:
         scores = (q_s.float().unsqueeze(-2) * k_sel).sum(-1)
     else:
         scores = torch.einsum("bthd,bthkd->bthk", q_s.float(), k_sel)
@@ -362,12 +366,13 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
     sel_t, _ = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
-    gate = _gate(q_s, k, sel_t)
+    elementwise = launch_options()["elementwise_mix"]
+    gate = _gate(q_s, k, sel_t, elementwise)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start)[0]
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
-    return _mix(gate, a.permute(0, 2, 1, 3, 4)).to(out_dtype)
+    return _mix(gate, a.permute(0, 2, 1, 3, 4), elementwise).to(out_dtype)
 
 
 @dataclass(frozen=True)
