@@ -130,12 +130,11 @@ stage_graphs() {
 }
 
 stage_linear_check() {
-  # after a change to the linear-time kernels or their launch path: the GPU tests of asa,
-  # nonapprox and the direct launcher (one process per id), then asa's default against
+  # after a change to the linear-time kernels: the GPU tests of asa and nonapprox (one
+  # process per id), then asa's default against
   # $ASA_ALT (a launch option being decided), nonapprox, eager and CUDA-graph timings, and
   # the host breakdown of a short step
-  gpu_tests linear "$R/tests/test_asa_kernel.py" "$R/tests/test_nonapprox_kernel.py" \
-    "$R/tests/test_direct_launch.py"
+  gpu_tests linear "$R/tests/test_asa_kernel.py" "$R/tests/test_nonapprox_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa,nonapprox --baselines dense,fla \
     --lengths "${LIN_LENGTHS:-2048,16384,65536}" --profile --cuda-graph \
     --asa-launch '{}' ${ASA_ALT:+--asa-launch "$ASA_ALT"} \
@@ -143,6 +142,20 @@ stage_linear_check() {
   grep -v '^{' "$LOGS/bench_linear.log" | grep -v '^ *[0-9.]* us ' | tail -40
   (cd /tmp && timeout 120 python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" \
      2>&1 | tail -40)
+}
+
+stage_asa_candidates() {
+  # launch configurations of ASA's state and output kernels (register-light, fewer feature
+  # recomputations: tools/kernel_spills.py-style local compiles), A/B with CUDA-graph timing,
+  # then ASA's GPU tests (GPU_K, default: the reference comparisons) run under $ASA_CANDIDATE
+  local C1='"state_warps": 8, "BV_state": 128'
+  timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense --lengths 16384,65536 --profile \
+    --cuda-graph --asa-launch '{}' --asa-launch "{$C1}" --asa-launch '{"BV_out": 64}' \
+    --asa-launch "{$C1, \"BV_out\": 64}" --json "$LOGS/bench_asa_candidates.json" \
+    > "$LOGS/bench_asa_candidates.log" 2>&1
+  grep -E '^(graph|profile)' "$LOGS/bench_asa_candidates.log"
+  MEGATRON_SUBQ_ASA_LAUNCH=${ASA_CANDIDATE:-"{$C1, \"BV_out\": 64}"} \
+    GPU_K=${GPU_K:-matches_reference_gpu} gpu_tests asa "$R/tests/test_asa_kernel.py"
 }
 
 stage_superlinear_tests() {
@@ -206,12 +219,13 @@ for stage in "$@"; do
     superlinear-ab) stage_superlinear_ab ;;
     graphs) stage_graphs ;;
     linear-check) stage_linear_check ;;
+    asa-candidates) stage_asa_candidates ;;
     superlinear-tests) stage_superlinear_tests ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

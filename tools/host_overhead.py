@@ -11,8 +11,7 @@ without a profiler (cProfile inflates every Python call):
 * ``jit_launch_us``: one ``kernel[grid](...)`` of the r kernel (6 arguments) and of the output
   kernel (≈ 30 arguments) — Triton's binder, specialisation key, cache lookup and launcher;
 * ``direct_launch_us``: the same compiled kernels launched through their ``CompiledKernel``
-  handle (no binder, no key), the floor a launch cache could reach; ``launcher_us``: through
-  kernels/common.py's ``DirectLauncher`` (that floor plus its key), which the ops use;
+  handle (no binder, no key), the floor a launch cache could reach;
 * ``empty_us``: one ``torch.empty`` from the caching allocator.
 """
 
@@ -47,8 +46,6 @@ def _attribute(asa_fn, step, calls: int) -> dict:
     times; a helper's own launches count in both), measured by wrapping them for the duration."""
     from triton.runtime.jit import JITFunction  # noqa: PLC0415
 
-    from megatron_subq.kernels.common import DirectLauncher  # noqa: PLC0415
-
     totals: dict = {}
     patched = []
 
@@ -78,7 +75,7 @@ def _attribute(asa_fn, step, calls: int) -> dict:
             return run
 
     for name, obj in list(vars(asa_fn).items()):
-        if isinstance(obj, (JITFunction, DirectLauncher)):
+        if isinstance(obj, JITFunction):
             patched.append((asa_fn, name, obj))
             setattr(asa_fn, name, TimedKernel(f"launch {name}", obj))
         elif name.startswith("_") and callable(obj) and name in (
@@ -120,6 +117,7 @@ def main(argv=None) -> int:
         return 2
     import torch.nn.functional as F  # noqa: PLC0415
 
+    from megatron_subq.kernels.asa import chunk as asa_chunk  # noqa: PLC0415
     from megatron_subq.kernels.asa import function as asa_fn  # noqa: PLC0415
     from megatron_subq.ops import asa_attention  # noqa: PLC0415
 
@@ -162,11 +160,11 @@ def main(argv=None) -> int:
     r_const = dict(BT=cfg["BT"], BV=asa_fn._pow2(D), num_warps=4)
 
     def jit_r():
-        asa_fn.chunk.asa_bwd_r_kernel[grid_r](*r_args, **r_const)
+        asa_chunk.asa_bwd_r_kernel[grid_r](*r_args, **r_const)
 
     res["jit_launch_us[r]"] = _per_call_us(jit_r, args.calls * 4)
     try:  # CompiledKernel's runner takes every kernel argument, constexprs included
-        compiled = asa_fn.chunk.asa_bwd_r_kernel.warmup(*r_args, grid=grid_r, **r_const)
+        compiled = asa_chunk.asa_bwd_r_kernel.warmup(*r_args, grid=grid_r, **r_const)
         runner = compiled[grid_r + (1,)]  # a compiled kernel's grid has three dimensions
         const_vals = (cfg["BT"], asa_fn._pow2(D))
         res["direct_launch_us[r]"] = _per_call_us(lambda: runner(*r_args, *const_vals),
@@ -190,15 +188,11 @@ def main(argv=None) -> int:
     launch = dict(num_warps=cfg["out_warps"], num_stages=cfg["stages"])
 
     def jit_o():
-        asa_fn.chunk.asa_fwd_out_kernel[grid_o](*o_args, **o_const, **launch)
-
-    def launcher_o():  # kernels/common.py's DirectLauncher (what function.py launches through)
-        asa_fn.asa_fwd_out_kernel[grid_o](*o_args, **o_const, **launch)
+        asa_chunk.asa_fwd_out_kernel[grid_o](*o_args, **o_const, **launch)
 
     res["jit_launch_us[out]"] = _per_call_us(jit_o, args.calls * 4)
-    res["launcher_us[out]"] = _per_call_us(launcher_o, args.calls * 4)
     try:
-        compiled = asa_fn.chunk.asa_fwd_out_kernel.warmup(*o_args, grid=grid_o, **o_const,
+        compiled = asa_chunk.asa_fwd_out_kernel.warmup(*o_args, grid=grid_o, **o_const,
                                                           **launch)
         runner_o = compiled[grid_o]
         o_vals = tuple(o_const.values())

@@ -19,20 +19,19 @@ import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
 
-from ..common import DirectLauncher, check_int32_offsets
+from ..common import check_int32_offsets
 
-from . import chunk
-
-# launched through DirectLauncher: a short step is bound by the host's per-launch cost
-asa_bwd_chunk_kernel = DirectLauncher(chunk.asa_bwd_chunk_kernel)
-asa_bwd_dp_kernel = DirectLauncher(chunk.asa_bwd_dp_kernel)
-asa_bwd_r_kernel = DirectLauncher(chunk.asa_bwd_r_kernel)
-asa_bwd_states_kernel = DirectLauncher(chunk.asa_bwd_states_kernel)
-asa_chunk_delta_kernel = DirectLauncher(chunk.asa_chunk_delta_kernel)
-asa_chunk_scan_kernel = DirectLauncher(chunk.asa_chunk_scan_kernel)
-asa_chunk_scan_pair_kernel = DirectLauncher(chunk.asa_chunk_scan_pair_kernel)
-asa_fwd_out_kernel = DirectLauncher(chunk.asa_fwd_out_kernel)
-asa_fwd_states_kernel = DirectLauncher(chunk.asa_fwd_states_kernel)
+from .chunk import (
+    asa_bwd_chunk_kernel,
+    asa_bwd_dp_kernel,
+    asa_bwd_r_kernel,
+    asa_bwd_states_kernel,
+    asa_chunk_delta_kernel,
+    asa_chunk_scan_kernel,
+    asa_chunk_scan_pair_kernel,
+    asa_fwd_out_kernel,
+    asa_fwd_states_kernel,
+)
 
 NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
 LAUNCH_ENV = "MEGATRON_SUBQ_ASA_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)

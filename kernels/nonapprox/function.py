@@ -15,17 +15,16 @@ import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
 
-from ..common import DirectLauncher, check_chunk_kernel_inputs, check_int32_offsets
+from ..common import check_chunk_kernel_inputs, check_int32_offsets
 
-from . import chunk
-
-# launched through DirectLauncher: at 16K the step is bound by the host's per-launch cost
-nonapprox_bwd_grad_kernel = DirectLauncher(chunk.nonapprox_bwd_grad_kernel)
-nonapprox_bwd_scan_kernel = DirectLauncher(chunk.nonapprox_bwd_scan_kernel)
-nonapprox_bwd_summary_kernel = DirectLauncher(chunk.nonapprox_bwd_summary_kernel)
-nonapprox_fwd_out_kernel = DirectLauncher(chunk.nonapprox_fwd_out_kernel)
-nonapprox_fwd_scan_kernel = DirectLauncher(chunk.nonapprox_fwd_scan_kernel)
-nonapprox_fwd_summary_kernel = DirectLauncher(chunk.nonapprox_fwd_summary_kernel)
+from .chunk import (
+    nonapprox_bwd_grad_kernel,
+    nonapprox_bwd_scan_kernel,
+    nonapprox_bwd_summary_kernel,
+    nonapprox_fwd_out_kernel,
+    nonapprox_fwd_scan_kernel,
+    nonapprox_fwd_summary_kernel,
+)
 
 # tokens per chunk: the [BT, BT] weight block times [BT, D] values is one MMA tile. 32 above
 # D = 64 keeps the backward's [BT, D] tiles in registers (at 64 ptxas spills ~600 B per thread)
