@@ -438,10 +438,18 @@ def report(meta: dict, results: list, plot_path: str = "") -> None:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms",
                                                                   "forward + backward")):
-            for impl in dict.fromkeys(r["impl"] for r in results):
+            for n, impl in enumerate(dict.fromkeys(r["impl"] for r in results)):
+                color = f"C{n % 10}"
                 pts = sorted((r["T"], r[key]) for r in results if r["impl"] == impl and r.get(key))
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=impl)
+                    ax.plot(*zip(*pts), marker="o", color=color, label=impl)
+                # --cuda-graph rows: the GPU time alone, dashed in the same colour
+                graph_key = key.replace("_ms", "_graph_ms")
+                pts = sorted((r["T"], r[graph_key]) for r in results
+                             if r["impl"] == impl and r.get(graph_key))
+                if pts:
+                    ax.plot(*zip(*pts), linestyle="--", marker=".", color=color,
+                            label=f"{impl} (CUDA graph)")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("sequence length T")
