@@ -17,6 +17,9 @@
 #   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
+#   ASA_AB='{"BV_out": 64};{"delta_warps": 4}' ASA_CANDIDATE='{"BV_out": 64}' \
+#     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
+#   bash tools/gpu_kernel_suite.sh linear-check     # asa + nonapprox GPU tests, graph timings
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
 # Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
 # carried cache, run one stage per call (compiling is most of the first call's time).
@@ -145,17 +148,20 @@ stage_linear_check() {
 }
 
 stage_asa_candidates() {
-  # launch configurations of ASA's state and output kernels (register-light, fewer feature
-  # recomputations: tools/kernel_spills.py-style local compiles), A/B with CUDA-graph timing,
-  # then ASA's GPU tests (GPU_K, default: the reference comparisons) run under $ASA_CANDIDATE
-  local C1='"state_warps": 8, "BV_state": 128'
+  # ASA launch configurations against the default, CUDA-graph timing at 16K and 64K (ASA_AB:
+  # ';'-separated JSON overrides), then, with ASA_CANDIDATE set, ASA's GPU tests (GPU_K,
+  # default: the reference comparisons) run under that override — what a new default needs
+  local args=(--asa-launch '{}') cands c
+  IFS=';' read -ra cands <<< "${ASA_AB:-}"
+  for c in "${cands[@]}"; do args+=(--asa-launch "$c"); done
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense --lengths 16384,65536 --profile \
-    --cuda-graph --asa-launch '{}' --asa-launch "{$C1}" --asa-launch '{"BV_out": 64}' \
-    --asa-launch "{$C1, \"BV_out\": 64}" --json "$LOGS/bench_asa_candidates.json" \
+    --cuda-graph "${args[@]}" --json "$LOGS/bench_asa_candidates.json" \
     > "$LOGS/bench_asa_candidates.log" 2>&1
   grep -E '^(graph|profile)' "$LOGS/bench_asa_candidates.log"
-  MEGATRON_SUBQ_ASA_LAUNCH=${ASA_CANDIDATE:-"{$C1, \"BV_out\": 64}"} \
-    GPU_K=${GPU_K:-matches_reference_gpu} gpu_tests asa "$R/tests/test_asa_kernel.py"
+  if [ -n "${ASA_CANDIDATE:-}" ]; then
+    MEGATRON_SUBQ_ASA_LAUNCH=$ASA_CANDIDATE GPU_K=${GPU_K:-matches_reference_gpu} \
+      gpu_tests asa "$R/tests/test_asa_kernel.py"
+  fi
 }
 
 stage_superlinear_tests() {
