@@ -48,9 +48,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
     per program of the dP reduction ("auto": about two programs per SM, at most 16 chunks each —
     with a fixed 16 the 2K-token reduction ran 16 programs, 54 µs of a 214 µs step on an H100);
-    scan: "parallel" (per-chunk deltas in parallel, then a
-    streaming prefix sum) or "sequential" (one fused loop over chunks per head: fewer bytes, but
-    its latency grows with T/BT); scan_block, scan_unroll, scan_warps, scan_stages: the
+    scan: "parallel" (per-chunk deltas in parallel, then a streaming prefix sum) or
+    "sequential" (one fused loop over chunks per head: fewer bytes, but its latency grows with
+    T/BT); scan_block, scan_unroll, scan_warps, scan_stages: the
     prefix-sum kernel's values per program, chunks per step, warps and stages.
 
     Three switches, on by default since the A/B of docs/benchmarks.md (H100, 2026-11-22: 2.79 ms
@@ -70,9 +70,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     fp32 (half the bytes; dP's products then run on half operands, accumulated in fp32).
 
     states_half (on for bf16 inputs): the chunk states S_c and dS_c (the scans' outputs, read
-    by the output and gradient kernels) stored in bf16; the per-chunk deltas, the running sums
-    and the final state stay fp32. H100, CUDA-graph timing, T = 16K (docs/benchmarks.md):
-    fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for fp16 inputs: a state is a
+    by the output and gradient kernels) stored in bf16; the running sums and the final state
+    stay fp32 (the per-chunk deltas: deltas_half). H100, CUDA-graph timing, T = 16K
+    (docs/benchmarks.md): fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for fp16 inputs: a state is a
     sum over every earlier token (≈ T·|v|), past fp16's 65504 at long T; bf16 has fp32's range.
 
     deltas_half (on for bf16 inputs; the same reasons as states_half): the per-chunk state
@@ -113,8 +113,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         BV_bwd=min(64 if big_tiles else 128, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         state_warps=4, out_warps=8 if big else 4, bwd_warps=8 if big else 4, dp_warps=4,
-        stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024, scan_unroll=8, scan_warps=4,
-        scan_stages=1, keep_states=True, fused_scan=True, r_kernel=True, dl_half=True,
+        stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024,
+        scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
+        r_kernel=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
         bwd_split=False, BDX=64,
     )
