@@ -30,6 +30,22 @@ def test_replot_prints_the_table_and_draws_the_plot(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_replot_reports_cuda_graph_ratios():
+    """A run with --cuda-graph also gets a table of graph replays, with ratios against cuDNN's
+    graph replay of the same length (not against its eager time)."""
+    saved_path = ROOT / "docs" / "bench" / "asa-final-h100-2026-11-22.json"
+    out = _bench("--replot", str(saved_path))
+    assert out.returncode == 0, out.stderr
+    graph_table = out.stdout.split("CUDA graph replays")[1]
+    saved = json.loads(saved_path.read_text())
+    by = {(r["T"], r["impl"]): r for r in saved["results"]}
+    asa, cudnn = by[(16384, "asa_kernel[linear]")], by[(16384, "cudnn_sdpa")]
+    expected = cudnn["fwd_bwd_graph_ms"] / asa["fwd_bwd_graph_ms"]
+    row = next(line for line in graph_table.splitlines()
+               if line.split()[:2] == ["16384", "asa_kernel[linear]"])
+    assert float(row.split()[-1]) == pytest.approx(expected, abs=0.006)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_measuring_needs_cuda():
     out = _bench("--ops", "asa", "--lengths", "64")

@@ -414,7 +414,7 @@ def report(meta: dict, results: list, plot_path: str = "") -> None:
     cudnn = {r["T"]: r for r in results if r.get("impl") == "cudnn_sdpa"}
     for r in results:
         base = cudnn.get(r["T"])
-        for key in ("fwd_ms", "fwd_bwd_ms"):
+        for key in ("fwd_ms", "fwd_bwd_ms", "fwd_graph_ms", "fwd_bwd_graph_ms"):
             if base and base.get(key) and r.get(key):
                 r[f"speedup_vs_cudnn_{key[:-3]}"] = base[key] / r[key]
 
@@ -429,6 +429,15 @@ def report(meta: dict, results: list, plot_path: str = "") -> None:
               f"{fmt(r.get('fwd_bwd_ms'), '11.3f')} {fmt(r.get('speedup_vs_cudnn_fwd'), '12.2f')} "
               f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd'), '12.2f')} "
               f"{fmt(r.get('fwd_GBps_of_min_bytes'), '9.0f')}")
+    graphed = [r for r in results if r.get("fwd_bwd_graph_ms") or r.get("fwd_graph_ms")]
+    if graphed:  # --cuda-graph: the GPU's time alone, ratios against cuDNN's graph replay
+        print(f"\nCUDA graph replays\n{'T':>7} {'impl':<44} {'fwd ms':>9} {'fwd+bwd ms':>11} "
+              f"{'x cuDNN fwd':>12} {'x cuDNN f+b':>12}")
+        for r in graphed:
+            print(f"{r['T']:>7} {r['impl']:<44} {fmt(r.get('fwd_graph_ms'), '9.3f')} "
+                  f"{fmt(r.get('fwd_bwd_graph_ms'), '11.3f')} "
+                  f"{fmt(r.get('speedup_vs_cudnn_fwd_graph'), '12.2f')} "
+                  f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd_graph'), '12.2f')}")
     if plot_path:
         import matplotlib
 
