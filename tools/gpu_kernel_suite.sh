@@ -101,8 +101,7 @@ stage_asa_check() {
   # "launch_options"), then the default against the candidate options at 16K and 64K
   gpu_tests asa "$R/tests/test_asa_kernel.py"
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 16384,65536 --profile \
-    --repeat 3 --cuda-graph --asa-launch '{}' --asa-launch '{"states_half": true}' \
-    --asa-launch '{"bwd_split": true}' --asa-launch '{"bwd_split": true, "BV_bwd": 64}' \
+    --repeat 3 --cuda-graph --asa-launch '{}' --asa-launch '{"bwd_fused_sides": true}' \
     --json "$LOGS/bench_asa_check.json" > "$LOGS/bench_asa_check.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
