@@ -32,6 +32,7 @@ from megatron_subq.testing.kernels import (  # noqa: E402
     BOUNDS,
     DEVICE,
     count_calls,
+    graph_replay_matches_eager,
     kernel_package,
     rel_rms,
 )
@@ -323,3 +324,13 @@ def test_launch_option_keep_states_gpu_bf16(monkeypatch):
     assert calls == {"_forward_states": 1}
     print(f"keep_states {GPU_SHAPES[0]} bf16: "
           + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gpu():
+    """fwd+bwd captured in a CUDA graph and replayed on new values equals eager."""
+    inputs = _inputs(1, 2048, 8, 2, 128, torch.bfloat16)
+    grad_out = torch.randn(1, 2048, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    errors = graph_replay_matches_eager(
+        lambda *a: ops.approx_attention(*a, impl="kernel"), inputs, grad_out)
+    assert max(errors.values()) < 1e-6, errors

@@ -126,8 +126,10 @@ stage_deconstructed() {
 }
 
 stage_graphs() {
-  # CUDA-graph capture of the linear-time ops (tests), then the host's share of a short step
-  GPU_K=graph gpu_tests graphs "$R/tests/test_asa_kernel.py" "$R/tests/test_nonapprox_kernel.py"
+  # CUDA-graph capture of every op's fwd+bwd (tests), then the host's share of a short step
+  GPU_K=graph GPU_P=${GPU_P:-5} gpu_tests graphs "$R/tests/test_asa_kernel.py" \
+    "$R/tests/test_nonapprox_kernel.py" "$R/tests/test_approx_kernel.py" \
+    "$R/tests/test_ppa_kernel.py" "$R/tests/test_superlinear_kernel.py"
   (cd /tmp && python3 "$R/tools/host_overhead.py" --json "$LOGS/host_overhead.json" 2>&1 | tail -30)
 }
 
