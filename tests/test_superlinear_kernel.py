@@ -191,6 +191,39 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
     assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
 
 
+FUSED_MERGE = '{"fused_merge": true}'
+
+
+class _MergeLaunches:
+    """Stands in for span_fwd_kernel and records the MERGE of each launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.merge = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.merge.append(kwargs["MERGE"])
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_fused_merge_fp32(shape, knobs, monkeypatch):
+    """The span/window log-sum-exp merge in the span kernel's epilogue (launch option
+    fused_merge): windows, no window, queries without anchors, GQA."""
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
+    counted = _MergeLaunches(KERNEL.function.span_fwd_kernel)
+    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", counted)
+    _compare(shape, knobs, torch.float32)
+    assert counted.merge == [True]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_merge_half_dtypes(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
+    _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
+
+
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
 def test_without_launch_options_fp32(shape, knobs, monkeypatch):
     """The query-centric backward (atomic dK, dV adds) and the einsum gate, all options off."""
@@ -289,6 +322,14 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_launch_options_gpu(dtype, monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
+    _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
+             dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_gpu(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
 

@@ -90,9 +90,13 @@ def launch_options() -> dict:
       ``torch.einsum``, which runs them as about 10⁶ tiny fp32 cuBLAS matrix products
       (≈ 13 ms of fp32 GEMM and ≈ 6 ms of GEMV kernels at T = 64K, H100 profile).
 
+    * fused_merge (off until GPU-tested and measured): the log-sum-exp merge of span and
+      window outputs in the span kernel's epilogue (``span_fwd_kernel``'s MERGE) instead of
+      about eight torch passes over [B·H, T, k, d] fp32 tensors (1 GB each at 64K, 16 heads).
+
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
-    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True)
+    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -137,12 +141,14 @@ def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, wind
     return lo.to(torch.int32), hi.to(torch.int32)
 
 
-def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0):
+def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0,
+                           fused_merge: bool = False):
     """Per (query, slot) pair: softmax attention over the pair's span keys (outside the window)
     merged with the window by log-sum-exp. q: [B, T, H, D] at positions [start, start + T); k, v:
     [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
     [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
-    lse_w [B*H, T])."""
+    lse_w [B*H, T]). ``fused_merge`` (launch option): the merge runs in the span kernel's
+    epilogue instead of as torch passes over the [B*H, T, k, D] fp32 tensors."""
     B, T, H, D = q.shape
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
@@ -167,9 +173,12 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
     # the span kernel's key bound is TK (its pairs index query rows, lo/hi are key positions)
     span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-        q, k, v, order, lo_f, hi_f, o_s, lse_s, TK, P, H, H // H_kv, D, scale, *strides,
-        TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        PRECISION=prec, num_warps=cfg.num_warps)
+        q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
+        *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        PRECISION=prec, MERGE=fused_merge, num_warps=cfg.num_warps)
+    if fused_merge:  # o_s, lse_s already hold the merged output and lse
+        return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
+                lse_w)
 
     # merge span and window by log-sum-exp (a pair with neither gets A = 0)
     o_s = o_s.view(B * H, T, topk, D)
@@ -215,7 +224,8 @@ class SuperlinearSpanFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig, options: dict):
         B, T, H, D = q.shape
         topk = lo.shape[-1]
-        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(q, k, v, lo, hi, window, cfg)
+        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(
+            q, k, v, lo, hi, window, cfg, fused_merge=options["fused_merge"])
         ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
         ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
@@ -366,10 +376,12 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
     sel_t, _ = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
-    elementwise = launch_options()["elementwise_mix"]
+    options = launch_options()
+    elementwise = options["elementwise_mix"]
     gate = _gate(q_s, k, sel_t, elementwise)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
-    a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start)[0]
+    a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
+                               fused_merge=options["fused_merge"])[0]
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
     return _mix(gate, a.permute(0, 2, 1, 3, 4), elementwise).to(out_dtype)

@@ -256,13 +256,17 @@ def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, s
 
 
 @triton.jit
-def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, T, P, H, GROUP, D, scale,
+def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, O_W, LSE_W, T, P, H, GROUP, D, scale,
                     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
     """Pairs p = i * TOPK + slot of head b*h, taken in the order ORDER [B*H, P]; LO/HI [B*H, P]
     (natural order) bound the span keys outside the window (empty if HI < LO). Writes the
-    normalised span output O [B*H, P, D] and its lse [B*H, P] (natural order)."""
+    normalised span output O [B*H, P, D] and its lse [B*H, P] (natural order).
+
+    MERGE (launch option ``fused_merge``): the window's output O_W [B*H, P / TOPK, D] and lse
+    LSE_W [B*H, P / TOPK] (computed before) are merged in by log-sum-exp here, so O and LSE
+    receive the pair's whole attention output and lse (a pair with neither: 0 and -inf)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -304,6 +308,21 @@ def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, T, P, H, GROUP, D, scale,
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    if MERGE:
+        row = pid_bh * (P // TOPK) + qi
+        lse_w = tl.load(LSE_W + row, mask=p_mask, other=float("-inf"))
+        o_w = tl.load(O_W + row[:, None] * D + offs_d[None, :],
+                      mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+        top = tl.maximum(lse, lse_w)
+        finite = top > float("-inf")
+        top_safe = tl.where(finite, top, 0.0)
+        total = tl.exp(lse - top_safe) + tl.exp(lse_w - top_safe)  # >= 1 where finite
+        merged = top_safe + tl.log(tl.where(finite, total, 1.0))
+        merged_safe = tl.where(finite, merged, 0.0)
+        w_s = tl.where(finite, tl.exp(lse - merged_safe), 0.0)
+        w_w = tl.where(finite, tl.exp(lse_w - merged_safe), 0.0)
+        o = w_s[:, None] * o + w_w[:, None] * o_w
+        lse = tl.where(finite, merged, float("-inf"))
     out = pid_bh * P + pair
     tl.store(O + out[:, None] * D + offs_d[None, :], o, mask=p_mask[:, None] & d_mask[None, :])
     tl.store(LSE + out, lse, mask=p_mask)
