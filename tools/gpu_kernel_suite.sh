@@ -175,11 +175,11 @@ stage_superlinear_tests() {
 stage_superlinear_ab() {
   # superlinear's launch options (kernels/superlinear/function.py: launch_options, all on by
   # default since session 4's A/B): their GPU tests (the options-off path included), then the
-  # default against cuDNN, and with every option off
+  # default against cuDNN, with every option off, and with fused_merge (off until measured)
   GPU_P=${GPU_P:-4} GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
     "$R/tests/test_superlinear_kernel.py"
   local OFF='"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false'
-  for launch in '{}' "{$OFF}"; do
+  for launch in '{}' "{$OFF}" '{"fused_merge": true}'; do
     local tag; tag=$(echo "$launch" | tr -dc 'a-z_')
     MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
       --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 \
