@@ -159,26 +159,40 @@ def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, sc
     lo = tl.maximum(q_lo - W + 1, 0)  # W >= 1 (the host skips an empty window)
     hi = tl.minimum(q_lo + BLOCK_M, T)
     for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        cols = n0 + offs_n
-        n_mask = cols < T
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
-        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
-        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        inside = (cols[None, :] <= offs_m[:, None]) & (cols[None, :] > offs_m[:, None] - W)
-        inside = inside & n_mask[None, :] & m_mask[:, None]
-        p = tl.where(inside, tl.exp(s - lse_safe[:, None]), 0.0)
-        dp = tl.dot(do.to(v.dtype), tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None]) * scale
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if ATOMIC_KV:
-            dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-            dv = tl.dot(tl.trans(p).to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
-            kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
-            tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
-            tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+        # keys [i - W + 1, i] of query i (those past T are past every query)
+        dq = _dq_key_block(q, do, lse_safe, delta, offs_m - W + 1, offs_m, m_mask, n0 + offs_n,
+                           K, V, DK, DV, b, hk, T, H, GROUP, D, s_kb, s_kt, s_kh, scale, dq,
+                           BLOCK_D, PRECISION, ATOMIC_KV)
     tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=md_mask)
+
+
+@triton.jit
+def _dq_key_block(q, do, lse_safe, delta, key_lo, key_hi, row_live, cols, K, V, DK, DV, b, hk,
+                  T, H, GROUP, D, s_kb, s_kt, s_kh, scale, dq, BLOCK_D: tl.constexpr,
+                  PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr):
+    """One key block ``cols`` of the query-centric backward (window queries or span pairs):
+    dq += dS k, where row r has scores for keys [key_lo[r], key_hi[r]] if row_live[r]; with
+    ATOMIC_KV, the block's dK, dV are added atomically to DK, DV [B, T, H_kv, D] (float32).
+    Returns dq."""
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_mask = (cols < T)[:, None] & (offs_d < D)[None, :]
+    k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
+    k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
+    v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    inside = ((cols[None, :] >= key_lo[:, None]) & (cols[None, :] <= key_hi[:, None])
+              & row_live[:, None])
+    p = tl.where(inside, tl.exp(s - lse_safe[:, None]), 0.0)
+    dp = tl.dot(do.to(v.dtype), tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None]) * scale
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    if ATOMIC_KV:
+        dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
+        dv = tl.dot(tl.trans(p).to(q.dtype), do.to(q.dtype), input_precision=PRECISION)
+        kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
+        tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
+        tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+    return dq
 
 
 @triton.jit
@@ -364,24 +378,9 @@ def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H,
     foot_lo = tl.min(tl.where(live, lo, T), axis=0)
     foot_hi = tl.max(tl.where(live, hi, -1), axis=0)
     for n0 in range((foot_lo // BLOCK_N) * BLOCK_N, foot_hi + 1, BLOCK_N):
-        cols = n0 + offs_n
-        n_mask = cols < T
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
-        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
-        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None]) & live[:, None]
-        p = tl.where(inside, tl.exp(s - lse_safe[:, None]), 0.0)
-        dp = tl.dot(da.to(v.dtype), tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None]) * scale
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if ATOMIC_KV:
-            dk = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION)
-            dv = tl.dot(tl.trans(p).to(q.dtype), da.to(q.dtype), input_precision=PRECISION)
-            kv_out = (b * T + cols[:, None]) * (H // GROUP) * D + hk * D + offs_d[None, :]
-            tl.atomic_add(DK + kv_out, dk, mask=kv_mask)
-            tl.atomic_add(DV + kv_out, dv, mask=kv_mask)
+        dq = _dq_key_block(q, da, lse_safe, delta, lo, hi, live, n0 + offs_n, K, V, DK, DV, b,
+                           hk, T, H, GROUP, D, s_kb, s_kt, s_kh, scale, dq, BLOCK_D, PRECISION,
+                           ATOMIC_KV)
     tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=pd_mask)
 
 
