@@ -320,16 +320,11 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_without_launch_options_gpu(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
-    _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
-             dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_merge_gpu(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
+@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE], ids=["off", "fused_merge"])
+def test_launch_options_gpu(launch, dtype, monkeypatch):
+    """Every option off (query-centric backward, einsum gate), and fused_merge, at the Nemotron
+    layout."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
 
