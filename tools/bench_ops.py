@@ -393,20 +393,11 @@ def _time(fn) -> float:
 
 
 def _graph_replay(fn) -> Callable[[], None]:
-    """``fn`` captured in a CUDA graph (warmed up on a side stream first, as torch requires);
-    returns the replay. Timing the replay measures the GPU work alone, without the host's
-    per-launch cost — what a CUDA-graphed training step sees. Raises if ``fn`` cannot be
-    captured (a host sync inside it, for instance)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """``fn`` captured in a CUDA graph; returns the replay. Timing the replay measures the GPU
+    work alone, without the host's per-launch cost — what a CUDA-graphed training step sees."""
+    from megatron_subq.testing.kernels import capture_cuda_graph
+
+    return capture_cuda_graph(fn, warmup=3)[0].replay
 
 
 def report(meta: dict, results: list, plot_path: str = "") -> None:

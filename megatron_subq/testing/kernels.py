@@ -58,6 +58,23 @@ def count_calls(monkeypatch, module: ModuleType, names) -> dict:
     return calls
 
 
+def capture_cuda_graph(fn, warmup: int = 2):
+    """``fn()`` warmed up on a side stream (compiles, allocator pools: torch wants no first-time
+    work inside a capture), then captured in a CUDA graph. Returns ``(graph, what the captured
+    call returned)``; ``graph.replay()`` reruns the GPU work into those same tensors. Raises if
+    ``fn`` cannot be captured (a host sync inside it, for instance)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    return graph, captured
+
+
 def graph_replay_matches_eager(fn, inputs, grad_out: torch.Tensor, seed: int = 0) -> dict:
     """Capture ``fn(*inputs)`` forward and backward in one CUDA graph (what a CUDA-graphed
     training step runs), put new values into the inputs, replay, and compare output and input
@@ -70,15 +87,7 @@ def graph_replay_matches_eager(fn, inputs, grad_out: torch.Tensor, seed: int = 0
         out = fn(*inputs)
         return (out,) + torch.autograd.grad(out, inputs, grad_out)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (compiles, allocator pools) off the capture stream
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step)
     g = torch.Generator(device=inputs[0].device).manual_seed(seed + 1)
     with torch.no_grad():
         for x in inputs:
