@@ -20,6 +20,7 @@
 #   ASA_AB='{"BV_out": 64};{"delta_warps": 4}' ASA_CANDIDATE='{"BV_out": 64}' \
 #     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
 #   bash tools/gpu_kernel_suite.sh linear-check     # asa + nonapprox GPU tests, graph timings
+#   GPU_FILES=asa_kernel GPU_K=fused bash tools/gpu_kernel_suite.sh gpu-tests  # tests only
 #   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
 # Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
 # carried cache, run one stage per call (compiling is most of the first call's time).
@@ -165,6 +166,16 @@ stage_asa_candidates() {
   fi
 }
 
+stage_gpu_tests() {
+  # the GPU tests of the test files named in $GPU_FILES (e.g. "asa_kernel approx_kernel"),
+  # those matching $GPU_K, one process per id: to re-test one change without a benchmark
+  local files=() f
+  for f in ${GPU_FILES:?GPU_FILES names the test files, e.g. asa_kernel}; do
+    files+=("$R/tests/test_$f.py")
+  done
+  gpu_tests "${GPU_TAG:-selected}" "${files[@]}"
+}
+
 stage_superlinear_tests() {
   # every superlinear GPU test (kernel and decode), $GPU_P (3) at a time: their fp32 references
   # need GPU memory
@@ -228,11 +239,12 @@ for stage in "$@"; do
     linear-check) stage_linear_check ;;
     asa-candidates) stage_asa_candidates ;;
     superlinear-tests) stage_superlinear_tests ;;
+    gpu-tests) stage_gpu_tests ;;
     asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-tests gpu-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
