@@ -224,6 +224,38 @@ def test_fused_merge_half_dtypes(dtype, monkeypatch):
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
 
 
+# launch option fused_mix: the gated mixture and its backward in Triton, the backward kernels
+# reading dO with per-row coefficients; with and without the fused merge, and on the
+# query-centric (atomic dK, dV) backward
+FUSED_MIX = {"merge": '{"fused_mix": true, "fused_merge": true}',
+             "torch-merge": '{"fused_mix": true}',
+             "atomic-dkdv": '{"fused_mix": true, "window_dkdv": false, "span_dkdv": false}'}
+
+
+@pytest.mark.parametrize("variant", sorted(FUSED_MIX))
+@pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
+def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
+    """Windows, no window, queries without anchors, GQA; the option is taken (one mixture
+    backward launch, no per-pair dA)."""
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
+    counted = _CountedLaunches(KERNEL.function.mix_bwd_kernel)
+    monkeypatch.setattr(KERNEL.function, "mix_bwd_kernel", counted)
+    _compare(shape, knobs, torch.float32)
+    assert counted.launches == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_mix_half_dtypes(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["merge"])
+    _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
+
+
+def test_fused_mix_other_blocks(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["merge"])
+    _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32,
+             block_m=32, block_n=16)
+
+
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
 def test_without_launch_options_fp32(shape, knobs, monkeypatch):
     """The query-centric backward (atomic dK, dV adds) and the einsum gate, all options off."""
@@ -320,10 +352,11 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE], ids=["off", "fused_merge"])
+@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE, FUSED_MIX["merge"]],
+                         ids=["off", "fused_merge", "fused_mix"])
 def test_launch_options_gpu(launch, dtype, monkeypatch):
-    """Every option off (query-centric backward, einsum gate), and fused_merge, at the Nemotron
-    layout."""
+    """Every option off (query-centric backward, einsum gate), fused_merge, and fused_mix with
+    fused_merge, at the Nemotron layout."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)

@@ -48,8 +48,9 @@ from megatron_subq.ops.dispatch import triton_interpreting
 from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
-from .kernels import (search_topk_kernel, span_bwd_dkdv_kernel, span_bwd_kernel, span_fwd_kernel,
-                      window_bwd_dkdv_kernel, window_bwd_kernel, window_fwd_kernel)
+from .kernels import (mix_bwd_kernel, mix_fwd_kernel, search_topk_kernel, span_bwd_dkdv_kernel,
+                      span_bwd_kernel, span_fwd_kernel, window_bwd_dkdv_kernel, window_bwd_kernel,
+                      window_fwd_kernel)
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,16 @@ def launch_options() -> dict:
       window outputs in the span kernel's epilogue (``span_fwd_kernel``'s MERGE) instead of
       about eight torch passes over [B·H, T, k, d] fp32 tensors (1 GB each at 64K, 16 heads).
 
+    * fused_mix (off until GPU-tested and measured): the gated mixture and its backward in
+      Triton (``SuperlinearMixFunction``: ``mix_fwd_kernel``, ``mix_bwd_kernel``); the
+      backward kernels then read dO [B, T, H, D] with a per-row coefficient instead of the
+      per-pair dA [B*H, T, k, D] float32 and the window's dO_w, which took about eight more
+      torch passes over such tensors.
+
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
-    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False)
+    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False,
+                   fused_mix=False)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -216,9 +224,66 @@ def span_tile_ranges(order, lo_f, hi_f, T: int, block_m: int, block_n: int):
     return first.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
+def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_strides, win_coef,
+                          delta_w, window: int, cfg: LaunchConfig, options: dict):
+    """dq [B, T, H, D] (q's dtype), dk, dv (float32) of the span and window attention, given
+    each pair's upstream gradient dA (rows of ``up`` at ``up_strides`` = (b, t, h, slot), times
+    ``coef`` per pair if not None) and the window's effective dO (``win_up`` likewise, times
+    ``win_coef`` per query); ``delta`` [B*H, T, k] and ``delta_w`` [B*H, T] are their D terms."""
+    q, k, v, order, lo_f, hi_f, lse, lse_w = saved
+    B, T, H, D = q.shape
+    H_kv = k.shape[2]
+    topk = lse.shape[-1]
+    P = T * topk
+    scale = 1.0 / math.sqrt(D)
+    block_d = max(16, triton.next_power_of_2(D))
+    prec = _precision(q.dtype)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    dev = q.device
+    dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
+    dv = torch.zeros_like(dk)
+    no_coef = lse  # any float32 tensor: not read without HAS_COEF
+
+    dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
+    span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
+        q, k, v, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta, dq_pairs,
+        dk, dv, T, P, H, H // H_kv, D, scale, *strides, *up_strides,
+        TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None,
+        num_warps=cfg.num_warps)
+    if options["span_dkdv"]:
+        first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.block_m, cfg.block_n)
+        n_kb = first.shape[1]
+        span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
+            q, k, v, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta,
+            first, end, dk, dv, T, P, H, H // H_kv, D, n_kb, scale, *strides, *up_strides,
+            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            PRECISION=prec, HAS_COEF=coef is not None, num_warps=cfg.num_warps)
+    dq = dq_pairs.view(B * H, T, topk, D).sum(2)
+
+    if window > 0:
+        dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
+        key_centric = options["window_dkdv"]
+        win_coef_arg = no_coef if win_coef is None else win_coef
+        window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+            q, k, v, win_up, win_coef_arg, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D,
+            window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d, PRECISION=prec, ATOMIC_KV=not key_centric,
+            HAS_COEF=win_coef is not None, num_warps=cfg.num_warps)
+        if key_centric:  # after the span kernel: dk, dv hold its sums, this adds the window's
+            window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
+                q, k, v, win_up, win_coef_arg, lse_w, delta_w, dk, dv, T, H, H // H_kv, D,
+                window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+                HAS_COEF=win_coef is not None, num_warps=cfg.num_warps)
+        dq = dq + dq_w
+    return dq.view(B, H, T, D).transpose(1, 2).to(q.dtype), dk, dv
+
+
 class SuperlinearSpanFunction(torch.autograd.Function):
     """(q, k, v, span lo/hi per pair, window) -> A [B, T, H, k, D] (float32): per (query, slot)
-    pair, softmax attention over the pair's span keys (outside the window) and the window."""
+    pair, softmax attention over the pair's span keys (outside the window) and the window.
+    (Launch option ``fused_mix`` off; on, ``SuperlinearMixFunction`` also takes the gate.)"""
 
     @staticmethod
     def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig, options: dict):
@@ -233,61 +298,83 @@ class SuperlinearSpanFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_a):
         q, k, v, order, lo_f, hi_f, a, lse, lse_w = ctx.saved_tensors
-        window, cfg = ctx.window, ctx.cfg
         B, T, H, D = q.shape
-        H_kv = k.shape[2]
         topk = a.shape[2]
-        P = T * topk
-        scale = 1.0 / math.sqrt(D)
-        block_d = max(16, triton.next_power_of_2(D))
-        prec = _precision(q.dtype)
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
-        dev = q.device
-
         d_a = d_a.permute(0, 2, 1, 3, 4).reshape(B * H, T, topk, D).float().contiguous()
         delta = (d_a * a).sum(-1)  # [B*H, T, k]
-        dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
-        dv = torch.zeros_like(dk)
-
-        options = ctx.options
         lse, delta = lse.contiguous(), delta.contiguous()
-        dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
-        span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-            q, k, v, order, lo_f, hi_f, d_a, lse, delta, dq_pairs,
-            dk, dv, T, P, H, H // H_kv, D, scale, *strides,
-            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], num_warps=cfg.num_warps)
-        if options["span_dkdv"]:
-            first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.block_m, cfg.block_n)
-            n_kb = first.shape[1]
-            span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
-                q, k, v, order, lo_f, hi_f, d_a, lse, delta, first, end, dk, dv,
-                T, P, H, H // H_kv, D, n_kb, scale, *strides,
-                TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                PRECISION=prec, num_warps=cfg.num_warps)
-        dq = dq_pairs.view(B * H, T, topk, D).sum(2)
-
-        if window > 0:
+        do_w = delta_w = None
+        if ctx.window > 0:
             finite = torch.isfinite(lse) & torch.isfinite(lse_w)[..., None]
             c = torch.where(finite, torch.exp(lse_w[..., None] - torch.where(finite, lse, 0.0)),
                             0.0)  # [B*H, T, k]
             do_w = (c[..., None] * d_a).sum(2).contiguous()
             delta_w = (c * delta).sum(2).contiguous()
-            dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
-            key_centric = options["window_dkdv"]
-            window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-                q, k, v, do_w, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D, window, scale,
-                *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                PRECISION=prec, ATOMIC_KV=not key_centric, num_warps=cfg.num_warps)
-            if key_centric:  # after the span kernel: dk, dv hold its sums, this adds the window's
-                window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
-                    q, k, v, do_w, lse_w, delta_w, dk, dv, T, H, H // H_kv, D, window, scale,
-                    *strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-                    PRECISION=prec, num_warps=cfg.num_warps)
-            dq = dq + dq_w
-
-        dq = dq.view(B, H, T, D).transpose(1, 2).to(q.dtype)
+        # d_a [B*H, T, k, D] read as (b, t, h, slot); do_w [B*H, T, D] as (b, t, h)
+        dq, dk, dv = _span_window_backward(
+            (q, k, v, order, lo_f, hi_f, lse, lse_w), d_a,
+            (H * T * topk * D, topk * D, T * topk * D, D), None, delta,
+            do_w, (H * T * D, D, T * D), None, delta_w, ctx.window, ctx.cfg, ctx.options)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+class SuperlinearMixFunction(torch.autograd.Function):
+    """(q, k, v, gate [B, T, H, k], span lo/hi per pair, window) -> the gated mixture
+    sum_slot gate_slot A_slot [B, T, H, D] in q's dtype (launch option ``fused_mix``).
+
+    The per-pair gradient is dA_slot = gate_slot dO and the window's effective dO is
+    gamma dO (gamma = sum_slot c_slot gate_slot), so the backward kernels read the model's
+    dO with a per-row coefficient (``mix_bwd_kernel`` computes them, and the gate's gradient
+    dO . A_slot) instead of the [B*H, T, k, D] float32 dA and its broadcast passes."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict):
+        B, T, H, D = q.shape
+        topk = lo.shape[-1]
+        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(
+            q, k, v, lo, hi, window, cfg, fused_merge=options["fused_merge"])
+        gate = gate.float().contiguous()
+        out = mix_gated(a, gate, q.dtype, cfg)
+        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse.contiguous(), lse_w, gate)
+        ctx.window, ctx.cfg, ctx.options = window, cfg, options
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, order, lo_f, hi_f, a, lse, lse_w, gate = ctx.saved_tensors
+        cfg = ctx.cfg
+        B, T, H, D = q.shape
+        topk = a.shape[2]
+        d_out = d_out.contiguous()
+        dev = q.device
+        d_gate = torch.empty_like(gate)
+        coef = torch.empty(B * H, T, topk, dtype=torch.float32, device=dev)
+        delta = torch.empty_like(coef)
+        gamma = torch.empty(B * H, T, dtype=torch.float32, device=dev)
+        delta_w = torch.empty_like(gamma)
+        mix_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+            a, gate, d_out, lse, lse_w, d_gate, coef, delta, gamma, delta_w, T, H, D,
+            gate.stride(0), gate.stride(1), gate.stride(2),
+            d_out.stride(0), d_out.stride(1), d_out.stride(2), TOPK=topk, BLOCK_M=cfg.block_m,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
+        do_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
+        dq, dk, dv = _span_window_backward(
+            (q, k, v, order, lo_f, hi_f, lse, lse_w), d_out, do_strides + (0,), coef, delta,
+            d_out, do_strides, gamma, delta_w, ctx.window, cfg, ctx.options)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), d_gate, None, None, None, None, None
+
+
+def mix_gated(a, gate, dtype, cfg: LaunchConfig):
+    """sum_slot gate_slot A_slot: a [B*H, T, k, D] float32, gate [B, T, H, k] float32 (contiguous)
+    -> [B, T, H, D] in ``dtype``."""
+    B, T, H, topk = gate.shape
+    D = a.shape[-1]
+    out = torch.empty(B, T, H, D, dtype=dtype, device=a.device)
+    mix_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+        a, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
+    return out
 
 
 def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
@@ -314,9 +401,12 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     options = launch_options()  # read once per call
     gate = _gate(q_s, k, sel_t, options["elementwise_mix"])
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
-    a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg,
-                                      options)  # [B, T, H, k, D]
-    out = _mix(gate, a, options["elementwise_mix"])
+    if options["fused_mix"]:
+        out = SuperlinearMixFunction.apply(q, k, v, gate, lo, hi, plan.window, cfg, options)
+    else:
+        a = SuperlinearSpanFunction.apply(q, k, v, lo, hi, plan.window, cfg,
+                                          options)  # [B, T, H, k, D]
+        out = _mix(gate, a, options["elementwise_mix"])
     return out.to(out_dtype)
 
 
@@ -382,6 +472,8 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
                                fused_merge=options["fused_merge"])[0]
+    if options["fused_mix"]:
+        return mix_gated(a, gate.contiguous(), out_dtype, cfg)
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
     return _mix(gate, a.permute(0, 2, 1, 3, 4), elementwise).to(out_dtype)

@@ -129,13 +129,14 @@ def window_fwd_kernel(Q, K, V, O, LSE, T, Q0, TK, H, GROUP, D, W, scale,
 
 
 @triton.jit
-def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, scale,
-                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+def window_bwd_kernel(Q, K, V, DO, COEF, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, scale,
+                      s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr):
-    """DO, LSE, DELTA: the window's effective dO [B*H, T, D], its lse and D (float32).
-    DQ [B*H, T, D] is written; with ATOMIC_KV, DK, DV [B, T, H_kv, D] (float32) are accumulated
-    atomically too (else ``window_bwd_dkdv_kernel`` computes them)."""
+                      PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr, HAS_COEF: tl.constexpr):
+    """The window's effective dO is ``DO[b, t, h] * COEF[b*h, t]`` (see ``_upstream``), LSE,
+    DELTA its lse and D [B*H, T] (float32). DQ [B*H, T, D] is written; with ATOMIC_KV, DK, DV
+    [B, T, H_kv, D] (float32) are accumulated atomically too (else ``window_bwd_dkdv_kernel``
+    computes them)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -150,7 +151,8 @@ def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, sc
     q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=md_mask, other=0.0)
     row = pid_bh * T + offs_m
-    do = tl.load(DO + row[:, None] * D + offs_d[None, :], mask=md_mask, other=0.0)
+    do = _upstream(DO, COEF, row, b, h, offs_m, 0, m_mask, D, s_ob, s_ot, s_oh, 0, BLOCK_D,
+                   HAS_COEF)
     lse = tl.load(LSE + row, mask=m_mask, other=float("-inf"))
     delta = tl.load(DELTA + row, mask=m_mask, other=0.0)
     lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)  # no window keys: p = 0
@@ -164,6 +166,22 @@ def window_bwd_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, T, H, GROUP, D, W, sc
                            K, V, DK, DV, b, hk, T, H, GROUP, D, s_kb, s_kt, s_kh, scale, dq,
                            BLOCK_D, PRECISION, ATOMIC_KV)
     tl.store(DQ + row[:, None] * D + offs_d[None, :], dq, mask=md_mask)
+
+
+@triton.jit
+def _upstream(DO, COEF, coef_row, b, h, qi, slot, mask, D, s_ob, s_ot, s_oh, s_os,
+              BLOCK_D: tl.constexpr, HAS_COEF: tl.constexpr):
+    """Rows of the upstream gradient (float32 [rows, BLOCK_D]) at
+    ``DO + b*s_ob + h*s_oh + qi*s_ot + slot*s_os``, times ``COEF[coef_row]`` if HAS_COEF.
+    With the fused mixture the gradient of pair (i, slot) is gate * dO[i] and the window's is
+    gamma * dO[i] (``function.py``), so the kernels read the model's dO [B, T, H, D] (s_os = 0)
+    with a per-row coefficient instead of a materialised [B*H, T, k, D] float32 tensor."""
+    offs_d = tl.arange(0, BLOCK_D)
+    ptr = DO + b * s_ob + h * s_oh + (qi * s_ot + slot * s_os)[:, None] + offs_d[None, :]
+    do = tl.load(ptr, mask=mask[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+    if HAS_COEF:
+        do = do * tl.load(COEF + coef_row, mask=mask, other=0.0)[:, None]
+    return do
 
 
 @triton.jit
@@ -230,10 +248,11 @@ def _dkdv_tile(k, v, q, do, lse, delta, inside, scale, dk, dv, PRECISION: tl.con
 
 
 @triton.jit
-def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, scale,
-                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+def window_bwd_dkdv_kernel(Q, K, V, DO, COEF, LSE, DELTA, DK, DV, T, H, GROUP, D, W, scale,
+                           s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                           BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                           HAS_COEF: tl.constexpr):
     """grid (cdiv(T, BLOCK_N), B*H_kv): the window's dK, dV of one key block, key-centric (flash
     attention's backward): key j is in the window of the queries [j, j + W - 1], so the block
     meets the query blocks up to n0 + BLOCK_N + W - 2, of every query head of its group; dK, dV
@@ -258,8 +277,8 @@ def window_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, T, H, GROUP, D, W, s
             md_mask = m_mask[:, None] & d_mask[None, :]
             q = tl.load(Q + b * s_qb + rows[:, None] * s_qt + h * s_qh + offs_d[None, :],
                         mask=md_mask, other=0.0)
-            do = tl.load(DO + (bh * T + rows)[:, None] * D + offs_d[None, :], mask=md_mask,
-                         other=0.0)
+            do = _upstream(DO, COEF, bh * T + rows, b, h, rows, 0, m_mask, D, s_ob, s_ot, s_oh,
+                           0, BLOCK_D, HAS_COEF)
             lse = tl.load(LSE + bh * T + rows, mask=m_mask, other=float("-inf"))
             delta = tl.load(DELTA + bh * T + rows, mask=m_mask, other=0.0)
             inside = (rows[None, :] >= cols[:, None]) & (rows[None, :] < cols[:, None] + W)
@@ -343,12 +362,14 @@ def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, O_W, LSE_W, T, P, H, GROUP, 
 
 
 @triton.jit
-def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H, GROUP, D, scale,
-                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, COEF, LSE, DELTA, DQ, DK, DV, T, P, H, GROUP, D,
+                    scale, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh, s_os,
                     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr):
-    """Backward of the span part of every pair: DA [B*H, P, D] is dL/dA of the pair, LSE its
-    merged (span u window) lse and DELTA = rowsum(dA * A). Writes the pair's dq [B*H, P, D];
+                    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_KV: tl.constexpr,
+                    HAS_COEF: tl.constexpr):
+    """Backward of the span part of every pair: dL/dA of pair (i, slot) is
+    ``DA[b, i, h, slot] * COEF[b*h, pair]`` (``_upstream``), LSE [B*H, P] its merged (span u
+    window) lse and DELTA = rowsum(dA * A). Writes the pair's dq [B*H, P, D];
     with ATOMIC_KV, accumulates DK, DV [B, T, H_kv, D] (float32) atomically too (else
     ``span_bwd_dkdv_kernel`` computes them)."""
     pid_m = tl.program_id(0)
@@ -370,7 +391,8 @@ def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H,
     q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :], mask=pd_mask,
                 other=0.0)
     row = pid_bh * P + pair
-    da = tl.load(DA + row[:, None] * D + offs_d[None, :], mask=pd_mask, other=0.0)
+    da = _upstream(DA, COEF, row, b, h, qi, pair % TOPK, p_mask, D, s_ob, s_ot, s_oh, s_os,
+                   BLOCK_D, HAS_COEF)
     lse = tl.load(LSE + row, mask=p_mask, other=float("-inf"))
     delta = tl.load(DELTA + row, mask=p_mask, other=0.0)
     lse_safe = tl.where(lse == float("-inf"), float("inf"), lse)
@@ -385,11 +407,12 @@ def span_bwd_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, DQ, DK, DV, T, P, H,
 
 
 @triton.jit
-def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TILE_END, DK, DV,
-                         T, P, H, GROUP, D, NKB, scale,
-                         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, COEF, LSE, DELTA, TILE_FIRST, TILE_END,
+                         DK, DV, T, P, H, GROUP, D, NKB, scale,
+                         s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh, s_os,
                          TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+                         HAS_COEF: tl.constexpr):
     """grid (NKB = cdiv(T, BLOCK_N), B*H_kv): the span part's dK, dV of one key block,
     key-centric. For each query head of the group, the pair tiles (BLOCK_M pairs of the sorted
     order, as in ``span_bwd_kernel``) that can reach the block are tiles [first, end) of
@@ -420,7 +443,8 @@ def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TIL
             q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :],
                         mask=pd_mask, other=0.0)
             row = bh * P + pair
-            da = tl.load(DA + row[:, None] * D + offs_d[None, :], mask=pd_mask, other=0.0)
+            da = _upstream(DA, COEF, row, b, h, qi, pair % TOPK, p_mask, D, s_ob, s_ot, s_oh,
+                           s_os, BLOCK_D, HAS_COEF)
             lse = tl.load(LSE + row, mask=p_mask, other=float("-inf"))
             delta = tl.load(DELTA + row, mask=p_mask, other=0.0)
             inside = (cols[:, None] >= lo[None, :]) & (cols[:, None] <= hi[None, :])
@@ -428,3 +452,73 @@ def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, LSE, DELTA, TILE_FIRST, TIL
             dk, dv = _dkdv_tile(k, v, q, da, lse, delta, inside, scale, dk, dv, PRECISION)
     tl.store(DK + kv_out, tl.load(DK + kv_out, mask=kv_mask, other=0.0) + dk, mask=kv_mask)
     tl.store(DV + kv_out, tl.load(DV + kv_out, mask=kv_mask, other=0.0) + dv, mask=kv_mask)
+
+
+@triton.jit
+def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
+                   TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (cdiv(T, BLOCK_M), B*H): the gated mixture OUT[b, t, h] = sum_slot GATE[b, t, h,
+    slot] * A[b*h, t, slot] (A [B*H, T, TOPK, D] float32; OUT [B, T, H, D] in its own dtype), in
+    one pass instead of broadcast products and a sum over fp32 tensors."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    md_mask = m_mask[:, None] & (offs_d < D)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for slot in tl.static_range(TOPK):
+        g = tl.load(GATE + b * s_gb + offs_m * s_gt + h * s_gh + slot, mask=m_mask, other=0.0)
+        a = tl.load(A + ((pid_bh * T + offs_m) * TOPK + slot)[:, None] * D + offs_d[None, :],
+                    mask=md_mask, other=0.0)
+        acc += g[:, None] * a
+    tl.store(OUT + b * s_ob + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :],
+             acc.to(OUT.dtype.element_ty), mask=md_mask)
+
+
+@triton.jit
+def mix_bwd_kernel(A, GATE, DO, LSE, LSE_W, DGATE, COEF, DELTA, GAMMA, DELTA_W, T, H, D,
+                   s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
+                   TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (cdiv(T, BLOCK_M), B*H): the mixture's backward and every per-row factor the span
+    and window backward kernels need, from dO [B, T, H, D] and the saved A, gate, lse, lse_w:
+
+    * DGATE [B, T, H, TOPK] (gate's layout) = g_slot = dO . A_slot;
+    * per pair [B*H, T, TOPK]: COEF = gate (dA_slot = gate_slot dO) and DELTA = rowsum(dA_slot *
+      A_slot) = gate_slot g_slot;
+    * per query [B*H, T]: the window's dO_w = sum_slot c_slot dA_slot = GAMMA dO with
+      GAMMA = sum_slot c_slot gate_slot, and DELTA_W = sum_slot c_slot DELTA_slot, where
+      c_slot = e^{lse_w - lse_slot} (0 where either is -inf)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    md_mask = m_mask[:, None] & (offs_d < D)[None, :]
+    do = tl.load(DO + b * s_ob + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :],
+                 mask=md_mask, other=0.0).to(tl.float32)
+    row = pid_bh * T + offs_m
+    lse_w = tl.load(LSE_W + row, mask=m_mask, other=float("-inf"))
+    gamma = tl.zeros([BLOCK_M], tl.float32)
+    delta_w = tl.zeros([BLOCK_M], tl.float32)
+    for slot in tl.static_range(TOPK):
+        gate_ptr = b * s_gb + offs_m * s_gt + h * s_gh + slot
+        g = tl.load(GATE + gate_ptr, mask=m_mask, other=0.0)
+        pair = row * TOPK + slot
+        a = tl.load(A + pair[:, None] * D + offs_d[None, :], mask=md_mask, other=0.0)
+        g_slot = tl.sum(do * a, axis=1)
+        delta = g * g_slot
+        tl.store(DGATE + gate_ptr, g_slot, mask=m_mask)
+        tl.store(COEF + pair, g, mask=m_mask)
+        tl.store(DELTA + pair, delta, mask=m_mask)
+        lse = tl.load(LSE + pair, mask=m_mask, other=float("-inf"))
+        both = (lse > float("-inf")) & (lse_w > float("-inf"))
+        c = tl.where(both, tl.exp(lse_w - tl.where(both, lse, 0.0)), 0.0)
+        gamma += c * g
+        delta_w += c * delta
+    tl.store(GAMMA + row, gamma, mask=m_mask)
+    tl.store(DELTA_W + row, delta_w, mask=m_mask)
