@@ -376,14 +376,18 @@ def test_topk_indices_gpu_nemotron_layout():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_gpu():
-    """fwd+bwd captured in a CUDA graph and replayed on new values equals eager: the default
-    path (key-centric dK/dV, no atomics) is deterministic, and the position plan is cached on
-    the device before the capture (the warm-up calls build it)."""
+@pytest.mark.parametrize("launch", ["{}", FUSED_MIX["merge"]], ids=["default", "fused_mix"])
+def test_cuda_graph_replay_gpu(launch, monkeypatch):
+    """fwd+bwd captured in a CUDA graph and replayed on new values equals eager; the position
+    plan is cached on the device before the capture (the warm-up calls build it). The attention
+    kernels' dK/dV are key-centric (no atomics); dk's gate term is a float32 scatter-add (the
+    gather's backward), whose order may change its last bits, hence dk's looser bound."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
     inputs = _inputs(1, 4096, 8, 2, 128, torch.bfloat16)
     grad_out = torch.randn(1, 4096, 8, 128, device=DEVICE, dtype=torch.bfloat16)
     errors = graph_replay_matches_eager(
         lambda *a: ops.superlinear_attention(*a, sw_index=8, backward_factor=4.0,
                                              forward_factor=2.0, impl="kernel"),
         inputs, grad_out)
+    assert errors.pop("grad2") < 1e-4, errors  # dk
     assert max(errors.values()) < 1e-6, errors

@@ -15,6 +15,7 @@
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
 #   bash tools/gpu_kernel_suite.sh deconstructed    # nonapprox, approx: GPU tests, then the table
 #   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
+#   SL_AB='{"fused_mix": true}' bash tools/gpu_kernel_suite.sh superlinear-bench  # the A/B only
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
 #   ASA_AB='{"BV_out": 64};{"delta_warps": 4}' ASA_CANDIDATE='{"BV_out": 64}' \
@@ -184,14 +185,20 @@ stage_superlinear_tests() {
 }
 
 stage_superlinear_ab() {
-  # superlinear's launch options (kernels/superlinear/function.py: launch_options, all on by
-  # default since session 4's A/B): their GPU tests (the options-off path included), then the
-  # default against cuDNN, with every option off, and with fused_merge (off until measured)
-  GPU_P=${GPU_P:-4} GPU_K="launch_options or matches_reference_gpu" gpu_tests superlinear \
-    "$R/tests/test_superlinear_kernel.py"
-  local OFF='"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false'
-  for launch in '{}' "{$OFF}" '{"fused_merge": true}'; do
-    local tag; tag=$(echo "$launch" | tr -dc 'a-z_')
+  # superlinear's launch options (kernels/superlinear/function.py: launch_options): their GPU
+  # tests (the options-off path included), then the benchmark of stage_superlinear_bench
+  GPU_P=${GPU_P:-4} GPU_K="launch_options or matches_reference_gpu or graph" gpu_tests \
+    superlinear "$R/tests/test_superlinear_kernel.py"
+  stage_superlinear_bench
+}
+
+stage_superlinear_bench() {
+  # the default against cuDNN, then each launch override of $SL_AB (';'-separated JSON; default:
+  # the two options not yet default, fused_merge, and fused_mix with it), one process each
+  local launches launch tag
+  IFS=';' read -ra launches <<< "{};${SL_AB:-{\"fused_merge\": true\};{\"fused_merge\": true, \"fused_mix\": true\}}"
+  for launch in "${launches[@]}"; do
+    tag=$(echo "$launch" | tr -dc 'a-z_')
     MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
       --baselines "$([ "$launch" = '{}' ] && echo dense)" --heads 16 \
       --lengths "${SL_LENGTHS:-16384,32768,65536}" --profile --json "$LOGS/bench_sl_$tag.json" \
@@ -235,6 +242,7 @@ for stage in "$@"; do
     asa-check) stage_asa_check ;;
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
+    superlinear-bench) stage_superlinear_bench ;;
     graphs) stage_graphs ;;
     linear-check) stage_linear_check ;;
     asa-candidates) stage_asa_candidates ;;
@@ -244,7 +252,7 @@ for stage in "$@"; do
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-tests gpu-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

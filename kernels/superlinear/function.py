@@ -429,8 +429,11 @@ def _gate(q_s, k, sel_t, elementwise: bool):
     t_idx = sel_t.transpose(1, 2).clamp(min=0).long()  # [B, T, H, k]
     kv_head = (torch.arange(H, device=q_s.device) // group)[None, None, :, None]
     rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
-    k_sel = k.reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
-    k_sel = k_sel.reshape(B, T, H, topk, D).float()
+    # gathered from a float32 copy: the gather's backward scatter-adds every query's term into
+    # its anchor keys' rows, which in bf16 would round at each add (and in whatever order the
+    # atomics land: a CUDA-graph replay then differed from eager by 3e-3 in dk on the H100)
+    k_sel = k.float().reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
+    k_sel = k_sel.reshape(B, T, H, topk, D)
     if elementwise:
         scores = (q_s.float().unsqueeze(-2) * k_sel).sum(-1)
     else:
