@@ -92,7 +92,8 @@ def test_reference_prefill_and_decode_equal_full_forward(knobs):
 
 
 @pytest.mark.parametrize("launch", ["{}", '{"elementwise_mix": false}', '{"fused_merge": true}',
-                                    '{"fused_merge": true, "fused_mix": true}'])
+                                    '{"fused_merge": true, "fused_mix": true}',
+                                    '{"fused_merge": true, "fused_mix": true, "gate_kernel": true}'])
 @pytest.mark.parametrize("knobs", KNOBS[:2], ids=KNOB_IDS[:2])
 def test_kernel_prefill_and_decode_equal_full_forward(knobs, launch, monkeypatch):
     # the gated mixture's forms (elementwise by default, einsum), and the merge in the span

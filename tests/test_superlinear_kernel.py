@@ -227,31 +227,39 @@ def test_fused_merge_half_dtypes(dtype, monkeypatch):
 # launch option fused_mix: the gated mixture and its backward in Triton, the backward kernels
 # reading dO with per-row coefficients; with and without the fused merge, and on the
 # query-centric (atomic dK, dV) backward
+# (and launch option gate_kernel: the gate's scores from the search kernel, its backward in
+# gate_bwd_kernel, alone and with the others)
 FUSED_MIX = {"merge": '{"fused_mix": true, "fused_merge": true}',
              "torch-merge": '{"fused_mix": true}',
-             "atomic-dkdv": '{"fused_mix": true, "window_dkdv": false, "span_dkdv": false}'}
+             "atomic-dkdv": '{"fused_mix": true, "window_dkdv": false, "span_dkdv": false}',
+             "gate": '{"gate_kernel": true}',
+             "all": '{"fused_mix": true, "fused_merge": true, "gate_kernel": true}'}
 
 
 @pytest.mark.parametrize("variant", sorted(FUSED_MIX))
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
 def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
-    """Windows, no window, queries without anchors, GQA; the option is taken (one mixture
-    backward launch, no per-pair dA)."""
+    """Windows, no window, queries without anchors, GQA; the options are taken (one mixture
+    backward launch, no per-pair dA; one gate backward launch)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
-    counted = _CountedLaunches(KERNEL.function.mix_bwd_kernel)
-    monkeypatch.setattr(KERNEL.function, "mix_bwd_kernel", counted)
+    counted = {name: _CountedLaunches(getattr(KERNEL.function, name))
+               for name in ("mix_bwd_kernel", "gate_bwd_kernel")}
+    for name, stand_in in counted.items():
+        monkeypatch.setattr(KERNEL.function, name, stand_in)
     _compare(shape, knobs, torch.float32)
-    assert counted.launches == 1
+    options = KERNEL.function.launch_options()
+    assert counted["mix_bwd_kernel"].launches == int(options["fused_mix"])
+    assert counted["gate_bwd_kernel"].launches == int(options["gate_kernel"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_mix_half_dtypes(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["merge"])
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["all"])
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
 
 
 def test_fused_mix_other_blocks(monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["merge"])
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["all"])
     _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32,
              block_m=32, block_n=16)
 
@@ -352,11 +360,11 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE, FUSED_MIX["merge"]],
-                         ids=["off", "fused_merge", "fused_mix"])
+@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE, FUSED_MIX["merge"], FUSED_MIX["all"]],
+                         ids=["off", "fused_merge", "fused_mix", "fused_all"])
 def test_launch_options_gpu(launch, dtype, monkeypatch):
-    """Every option off (query-centric backward, einsum gate), fused_merge, and fused_mix with
-    fused_merge, at the Nemotron layout."""
+    """Every option off (query-centric backward, einsum gate), fused_merge, fused_mix with
+    fused_merge, and those with gate_kernel, at the Nemotron layout."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
@@ -376,7 +384,7 @@ def test_topk_indices_gpu_nemotron_layout():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", ["{}", FUSED_MIX["merge"]], ids=["default", "fused_mix"])
+@pytest.mark.parametrize("launch", ["{}", FUSED_MIX["all"]], ids=["default", "fused_all"])
 def test_cuda_graph_replay_gpu(launch, monkeypatch):
     """fwd+bwd captured in a CUDA graph and replayed on new values equals eager; the position
     plan is cached on the device before the capture (the warm-up calls build it). The attention

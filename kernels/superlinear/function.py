@@ -48,7 +48,8 @@ from megatron_subq.ops.dispatch import triton_interpreting
 from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
-from .kernels import (mix_bwd_kernel, mix_fwd_kernel, search_topk_kernel, span_bwd_dkdv_kernel,
+from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_topk_kernel,
+                      span_bwd_dkdv_kernel,
                       span_bwd_kernel, span_fwd_kernel, window_bwd_dkdv_kernel, window_bwd_kernel,
                       window_fwd_kernel)
 
@@ -101,10 +102,15 @@ def launch_options() -> dict:
       per-pair dA [B*H, T, k, D] float32 and the window's dO_w, which took about eight more
       torch passes over such tensors.
 
+    * gate_kernel (off until GPU-tested and measured): the gate's kept scores are the search
+      kernel's (``KeptScoresFunction``), their backward ``gate_bwd_kernel``, instead of
+      gathering the kept keys into a [B, T, H, k, D] float32 tensor (and scatter-adding its
+      gradient back).
+
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False,
-                   fused_mix=False)
+                   fused_mix=False, gate_kernel=False)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -397,9 +403,10 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     plan, offsets = device_plan.plan, device_plan.offsets_i32
 
     with torch.no_grad():
-        sel_t, _ = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
+        sel_t, sel_s = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
     options = launch_options()  # read once per call
-    gate = _gate(q_s, k, sel_t, options["elementwise_mix"])
+    gate = _gate(q_s, k, sel_t, options["elementwise_mix"],
+                 sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
     if options["fused_mix"]:
         out = SuperlinearMixFunction.apply(q, k, v, gate, lo, hi, plan.window, cfg, options)
@@ -418,14 +425,44 @@ def _mix(gate, a, elementwise: bool):
     return torch.einsum("bthk,bthkd->bthd", gate, a)
 
 
-def _gate(q_s, k, sel_t, elementwise: bool):
-    """The gate [B, T, H, k] (float32), differentiable in q_s and k: the kept scores recomputed
-    from gathered keys, softmax over the kept slots; a query without any anchor gets the one-hot
-    gate of slot 0, whose span is empty (pure window attention)."""
+class KeptScoresFunction(torch.autograd.Function):
+    """(q_s, k, kept anchors sel_t [B, H, T, k], their scores sel_s from the search kernel) ->
+    the scores [B, T, H, k] float32, differentiable in q_s and k (launch option gate_kernel):
+    the forward reuses the search's scores, the backward is ``gate_bwd_kernel``."""
+
+    @staticmethod
+    def forward(ctx, q_s, k, sel_t, sel_s, cfg: LaunchConfig):
+        ctx.save_for_backward(q_s, k, sel_t)
+        ctx.cfg = cfg
+        return sel_s.transpose(1, 2).contiguous()
+
+    @staticmethod
+    def backward(ctx, d_scores):
+        q_s, k, sel_t = ctx.saved_tensors
+        B, T, H, D = q_s.shape
+        TK, H_kv = k.shape[1], k.shape[2]
+        d_scores = d_scores.float().contiguous()
+        dq_s = torch.empty(B, T, H, D, dtype=torch.float32, device=q_s.device)
+        dk = torch.zeros(B, TK, H_kv, D, dtype=torch.float32, device=q_s.device)
+        gate_bwd_kernel[(triton.cdiv(T, ctx.cfg.block_m), B * H)](
+            q_s, k, sel_t, d_scores, dq_s, dk, T, TK, H, H // H_kv, D,
+            q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            TOPK=sel_t.shape[-1], BLOCK_M=ctx.cfg.block_m,
+            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=ctx.cfg.num_warps)
+        return dq_s.to(q_s.dtype), dk.to(k.dtype), None, None, None
+
+
+def _gate(q_s, k, sel_t, elementwise: bool, sel_s=None, cfg: Optional[LaunchConfig] = None):
+    """The gate [B, T, H, k] (float32), differentiable in q_s and k: the kept scores (the search
+    kernel's ``sel_s`` through ``KeptScoresFunction`` if given, else recomputed from gathered
+    keys), softmax over the kept slots; a query without any anchor gets the one-hot gate of slot
+    0, whose span is empty (pure window attention)."""
     B, T, H, D = q_s.shape
     topk = sel_t.shape[-1]
     group = H // k.shape[2]
     valid = (sel_t >= 0).transpose(1, 2)  # [B, T, H, k]
+    if sel_s is not None:
+        return _softmax_gate(KeptScoresFunction.apply(q_s, k, sel_t, sel_s, cfg), valid)
     t_idx = sel_t.transpose(1, 2).clamp(min=0).long()  # [B, T, H, k]
     kv_head = (torch.arange(H, device=q_s.device) // group)[None, None, :, None]
     rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
@@ -438,6 +475,12 @@ def _gate(q_s, k, sel_t, elementwise: bool):
         scores = (q_s.float().unsqueeze(-2) * k_sel).sum(-1)
     else:
         scores = torch.einsum("bthd,bthkd->bthk", q_s.float(), k_sel)
+    return _softmax_gate(scores, valid)
+
+
+def _softmax_gate(scores, valid):
+    """softmax of the kept scores [B, T, H, k] over the valid slots; one-hot slot 0 for a query
+    without any."""
     gate = torch.softmax(scores.masked_fill(~valid, torch.finfo(torch.float32).min), -1) * valid
     no_anchor = ~valid.any(-1, keepdim=True)
     slot0 = torch.zeros_like(gate)
@@ -468,10 +511,10 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     cfg = launch_config(q.shape[-1], block_m, block_n)
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
-    sel_t, _ = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
+    sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
     options = launch_options()
     elementwise = options["elementwise_mix"]
-    gate = _gate(q_s, k, sel_t, elementwise)
+    gate = _gate(q_s, k, sel_t, elementwise, sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
                                fused_merge=options["fused_merge"])[0]

@@ -522,3 +522,38 @@ def mix_bwd_kernel(A, GATE, DO, LSE, LSE_W, DGATE, COEF, DELTA, GAMMA, DELTA_W, 
         delta_w += c * delta
     tl.store(GAMMA + row, gamma, mask=m_mask)
     tl.store(DELTA_W + row, delta_w, mask=m_mask)
+
+
+@triton.jit
+def gate_bwd_kernel(QS, K, SEL_T, DS, DQS, DK, T, TK, H, GROUP, D,
+                    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """grid (cdiv(T, BLOCK_M), B*H): backward of the kept anchors' scores s_slot = q_s(i) . k(t)
+    (t = SEL_T [B, H, T, TOPK], -1: no anchor) from their gradient DS [B, T, H, TOPK] (float32):
+    DQS [B, T, H, D] (float32) = sum_slot ds_slot k(t_slot) is written; DK [B, TK, H_kv, D]
+    (float32) += ds_slot q_s(i), atomically (queries share anchors). It replaces a gather of
+    the kept keys into a [B, T, H, k, D] tensor and its scatter-add backward."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    d_mask = offs_d < D
+    md_mask = m_mask[:, None] & d_mask[None, :]
+    q_ptr = b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :]
+    qs = tl.load(QS + q_ptr, mask=md_mask, other=0.0).to(tl.float32)
+    dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for slot in tl.static_range(TOPK):
+        t = tl.load(SEL_T + (pid_bh * T + offs_m) * TOPK + slot, mask=m_mask, other=-1)
+        ds = tl.load(DS + ((b * T + offs_m) * H + h) * TOPK + slot, mask=m_mask, other=0.0)
+        ok = m_mask & (t >= 0)
+        kd_mask = ok[:, None] & d_mask[None, :]
+        k = tl.load(K + b * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                    mask=kd_mask, other=0.0).to(tl.float32)
+        dqs += ds[:, None] * k
+        dk_ptr = ((b * TK + t) * (H // GROUP) + hk)[:, None] * D + offs_d[None, :]
+        tl.atomic_add(DK + dk_ptr, ds[:, None] * qs, mask=kd_mask)
+    tl.store(DQS + ((b * T + offs_m) * H + h)[:, None] * D + offs_d[None, :], dqs, mask=md_mask)
