@@ -227,13 +227,16 @@ def test_fused_merge_half_dtypes(dtype, monkeypatch):
 # launch option fused_mix: the gated mixture and its backward in Triton, the backward kernels
 # reading dO with per-row coefficients; with and without the fused merge, and on the
 # query-centric (atomic dK, dV) backward
-# (and launch option gate_kernel: the gate's scores from the search kernel, its backward in
-# gate_bwd_kernel, alone and with the others)
+# (and launch options gate_kernel: the gate's scores from the search kernel, its backward in
+# gate_bwd_kernel; sorted_pairs: the span dK/dV kernel on sorted copies of the pairs' rows;
+# each alone and with the others)
 FUSED_MIX = {"merge": '{"fused_mix": true, "fused_merge": true}',
              "torch-merge": '{"fused_mix": true}',
              "atomic-dkdv": '{"fused_mix": true, "window_dkdv": false, "span_dkdv": false}',
              "gate": '{"gate_kernel": true}',
-             "all": '{"fused_mix": true, "fused_merge": true, "gate_kernel": true}'}
+             "sorted": '{"sorted_pairs": true}',
+             "all": '{"fused_mix": true, "fused_merge": true, "gate_kernel": true, '
+                    '"sorted_pairs": true}'}
 
 
 @pytest.mark.parametrize("variant", sorted(FUSED_MIX))
@@ -243,13 +246,14 @@ def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     backward launch, no per-pair dA; one gate backward launch)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
     counted = {name: _CountedLaunches(getattr(KERNEL.function, name))
-               for name in ("mix_bwd_kernel", "gate_bwd_kernel")}
+               for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
     for name, stand_in in counted.items():
         monkeypatch.setattr(KERNEL.function, name, stand_in)
     _compare(shape, knobs, torch.float32)
     options = KERNEL.function.launch_options()
     assert counted["mix_bwd_kernel"].launches == int(options["fused_mix"])
     assert counted["gate_bwd_kernel"].launches == int(options["gate_kernel"])
+    assert counted["sort_pairs_kernel"].launches == 2 * int(options["sorted_pairs"])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

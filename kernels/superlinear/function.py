@@ -49,7 +49,7 @@ from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
 from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_topk_kernel,
-                      span_bwd_dkdv_kernel,
+                      sort_pairs_kernel, span_bwd_dkdv_kernel,
                       span_bwd_kernel, span_fwd_kernel, window_bwd_dkdv_kernel, window_bwd_kernel,
                       window_fwd_kernel)
 
@@ -107,10 +107,14 @@ def launch_options() -> dict:
       gathering the kept keys into a [B, T, H, k, D] float32 tensor (and scatter-adding its
       gradient back).
 
+    * sorted_pairs (off until GPU-tested and measured): the span dK/dV kernel reads q, dA and
+      the pairs' statistics from copies in the sorted pair order (``sort_pairs_kernel``, one
+      pass each) instead of gathering them through the order at every key-block visit.
+
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False,
-                   fused_mix=False, gate_kernel=False)
+                   fused_mix=False, gate_kernel=False, sorted_pairs=False)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -249,6 +253,10 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
     dv = torch.zeros_like(dk)
     no_coef = lse  # any float32 tensor: not read without HAS_COEF
+    # the key-centric kernels' fp32 tiles (a test dtype) overflow shared memory at Triton's
+    # default 3 stages: the window's needs 263,680 B with its coefficient (H100: 232,448 B),
+    # 197,376 B at 2 (local sm_90 compile); the span's sorted form 231,424 B
+    dkdv_stages = 2 if q.dtype == torch.float32 else 3
 
     dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
     span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
@@ -260,11 +268,14 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     if options["span_dkdv"]:
         first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.block_m, cfg.block_n)
         n_kb = first.shape[1]
+        pairs = (q, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta)
+        if options["sorted_pairs"]:  # the pairs' rows in the sorted order (see the kernel)
+            pairs = _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg)
         span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
-            q, k, v, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta,
-            first, end, dk, dv, T, P, H, H // H_kv, D, n_kb, scale, *strides, *up_strides,
-            TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            PRECISION=prec, HAS_COEF=coef is not None, num_warps=cfg.num_warps)
+            pairs[0], k, v, *pairs[1:], first, end, dk, dv, T, P, H, H // H_kv, D, n_kb,
+            scale, *strides, *up_strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_D=block_d, PRECISION=prec, HAS_COEF=coef is not None,
+            SORTED=options["sorted_pairs"], num_warps=cfg.num_warps, num_stages=dkdv_stages)
     dq = dq_pairs.view(B * H, T, topk, D).sum(2)
 
     if window > 0:
@@ -281,9 +292,33 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
                 q, k, v, win_up, win_coef_arg, lse_w, delta_w, dk, dv, T, H, H // H_kv, D,
                 window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
-                HAS_COEF=win_coef is not None, num_warps=cfg.num_warps)
+                HAS_COEF=win_coef is not None, num_warps=cfg.num_warps,
+                num_stages=dkdv_stages)
         dq = dq + dq_w
     return dq.view(B, H, T, D).transpose(1, 2).to(q.dtype), dk, dv
+
+
+def _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg: LaunchConfig):
+    """The arguments (Q, ORDER, LO, HI, DA, COEF, LSE, DELTA) of ``span_bwd_dkdv_kernel`` with
+    SORTED: q's and dA's rows of every pair and the pairs' lo, hi, lse, D, in the sorted order."""
+    B, T, H, D = q.shape
+    BH, P = order.shape
+    idx = order.long()
+    grid = (triton.cdiv(P, cfg.block_m), BH)
+    block_d = max(16, triton.next_power_of_2(D))
+    q_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
+    sort_pairs_kernel[grid](q, lse, order, q_s, P, H, D, q.stride(0), q.stride(1), q.stride(2),
+                            0, TOPK=P // T, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+                            HAS_COEF=False, num_warps=4)
+    # dA in q's dtype: the kernel rounds it to that for its matrix products anyway
+    da_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
+    sort_pairs_kernel[grid](up, lse if coef is None else coef, order, da_s, P, H, D,
+                            *up_strides, TOPK=P // T, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+                            HAS_COEF=coef is not None, num_warps=4)
+    lse, delta = lse.reshape(BH, P), delta.reshape(BH, P)
+    unused_coef = lse  # dA already holds the coefficient
+    return (q_s, order, lo_f.gather(1, idx), hi_f.gather(1, idx), da_s, unused_coef,
+            lse.gather(1, idx), delta.gather(1, idx))
 
 
 class SuperlinearSpanFunction(torch.autograd.Function):
