@@ -277,32 +277,6 @@ def test_launch_option_bwd_split(normalize, monkeypatch):
     _compare_packed(normalize, torch.float32)
 
 
-# both sides of the gradient kernel in one program (cfg bwd_fused_sides): one launch, every
-# normalisation, GQA (the key side's dk per query head in fp32 beside a bf16-sized dq), packed
-@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
-def test_launch_option_bwd_fused_sides(normalize, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_fused_sides": true}')
-    sides = []
-    kernel = KERNEL.function.asa_bwd_chunk_kernel
-
-    class Counted:  # records the SIDE of every launch of the gradient kernel
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                sides.append(kwargs["SIDE"])
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(KERNEL.function, "asa_bwd_chunk_kernel", Counted())
-    _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
-    assert sides == [2]  # one launch, both sides
-    _compare_packed(normalize, torch.float32)
-
-
-def test_launch_option_bwd_fused_sides_half(monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_fused_sides": true}')
-    _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
-
-
 def test_launch_option_bwd_split_half(monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true}')
     _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
@@ -407,7 +381,7 @@ def test_kernel_packed_sequences_gpu(dtype):
 @pytest.mark.parametrize("case", ["gqa-bf16", "packed-fp32", "bt128-gqa-bf16",
                                   "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16",
                                   "stateshalf-gqa-bf16", "stateshalf-long-fp16",
-                                  "deltashalf-long-fp16", "fused-gqa-bf16", "fused-long-fp16",
+                                  "deltashalf-long-fp16",
                                   "split-gqa-bf16", "split-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
     """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
@@ -421,8 +395,6 @@ def test_launch_options_gpu(case, monkeypatch):
         launch["states_half"] = True
     if case.startswith("deltashalf"):
         launch["deltas_half"] = True
-    if case.startswith("fused"):
-        launch["bwd_fused_sides"] = True
     if case.startswith("split"):
         launch["bwd_split"] = True
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))

@@ -11,7 +11,6 @@
 # From the project root on the device, after `source .whl/setup.sh`:
 #   bash tools/gpu_kernel_suite.sh tests            # every kernel's GPU tests (pytest -m gpu)
 #   bash tools/gpu_kernel_suite.sh asa              # ASA's GPU tests, then its default vs candidates
-#   bash tools/gpu_kernel_suite.sh asa-ab           # ASA launch options A/B, 2K/16K/64K, profiled
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
 #   bash tools/gpu_kernel_suite.sh deconstructed    # nonapprox, approx: GPU tests, then the table
 #   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
@@ -22,7 +21,7 @@
 #     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
 #   bash tools/gpu_kernel_suite.sh linear-check     # asa + nonapprox GPU tests, graph timings
 #   GPU_FILES=asa_kernel GPU_K=fused bash tools/gpu_kernel_suite.sh gpu-tests  # tests only
-#   bash tools/gpu_kernel_suite.sh tests asa-ab     # several stages in one call
+#   bash tools/gpu_kernel_suite.sh tests asa        # several stages in one call
 # Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
 # carried cache, run one stage per call (compiling is most of the first call's time).
 # Back here: `mkdir -p /tmp/s && tar -xzf <files_at>/logs.tgz -C /tmp/s`, and
@@ -49,21 +48,6 @@ stage_tests() {
   done
   wait "${pids[@]}"
   for f in "$LOGS"/test_*.log; do echo "$(basename "$f"): $(grep -E '(passed|failed|error|skipped)' "$f" | tail -1)"; done
-}
-
-stage_asa_ab() {
-  # default launch vs the options not yet made default: their GPU tests first (BT = 128 too),
-  # then the A/B (ALL: the three options together)
-  (cd /tmp && timeout "$STAGE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
-     -k launch_options_gpu "$R/tests/test_asa_kernel.py" > "$LOGS/test_asa_options.log" 2>&1)
-  tail -3 "$LOGS/test_asa_options.log"
-  local ALL='"keep_states": true, "fused_scan": true, "r_kernel": true'
-  timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 2048,16384,65536 --profile \
-    --asa-launch '{}' --asa-launch '{"keep_states": true}' --asa-launch '{"fused_scan": true}' \
-    --asa-launch '{"r_kernel": true}' --asa-launch "{$ALL}" --asa-launch "{$ALL, \"BT\": 128}" \
-    --asa-launch "{$ALL, \"bwd_warps\": 4}" --asa-launch "{$ALL, \"BT\": 128, \"stages\": 1}" \
-    --json "$LOGS/bench_asa_ab.json" > "$LOGS/bench_asa_ab.log" 2>&1
-  grep -v '^{' "$LOGS/bench_asa_ab.log" | tail -40
 }
 
 gpu_tests() {
@@ -100,10 +84,14 @@ stage_ppa_long() {
 
 stage_asa_check() {
   # after a change of ASA's launch options: the GPU tests matching $GPU_K (e.g. GPU_K=
-  # "launch_options"), then the default against the candidate options at 16K and 64K
+  # "launch_options"), then the default against the options of $ASA_AB (';'-separated JSON)
+  # at 16K and 64K, three repeats each
   gpu_tests asa "$R/tests/test_asa_kernel.py"
+  local args=(--asa-launch '{}') cands c
+  IFS=';' read -ra cands <<< "${ASA_AB:-}"
+  for c in "${cands[@]}"; do args+=(--asa-launch "$c"); done
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla --lengths 16384,65536 --profile \
-    --repeat 3 --cuda-graph --asa-launch '{}' --asa-launch '{"bwd_fused_sides": true}' \
+    --repeat 3 --cuda-graph "${args[@]}" \
     --json "$LOGS/bench_asa_check.json" > "$LOGS/bench_asa_check.log" 2>&1
   grep -v '^{' "$LOGS/bench_asa_check.log" | grep -v '^ *[0-9.]* us ' | tail -12
 }
@@ -248,11 +236,10 @@ for stage in "$@"; do
     asa-candidates) stage_asa_candidates ;;
     superlinear-tests) stage_superlinear_tests ;;
     gpu-tests) stage_gpu_tests ;;
-    asa-ab) stage_asa_ab ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests asa-ab sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

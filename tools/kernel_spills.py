@@ -30,7 +30,7 @@ from megatron_subq.kernels.asa import chunk  # noqa: E402
 
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "pq_ptr", "pk_ptr", "do_ptr", "den_ptr", "r_ptr",
             "states_ptr", "zs_ptr", "dstates_ptr", "dzs_ptr", "dx_ptr", "dv_ptr", "dl_ptr",
-            "chunks_ptr", "dk_ptr", "dlk_ptr")
+            "chunks_ptr")
 INTS = ("T", "H", "G", "D", "M", "DV", "NT", "NV", "sqb", "sqt", "sqh", "skb", "skt", "skh",
         "svb", "svt", "svh")
 
@@ -49,7 +49,7 @@ def spills(side: int, bt: int, bv: int, warps: int, dtype: str, split: bool) -> 
     """'<registers> regs, <bytes> B spilled' of one specialisation of ``asa_bwd_chunk_kernel``
     (m = 64, d_h = d_v = 128; split: cfg bwd_split with dx in 64-column blocks)."""
     elt = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
-    types = [elt] * 6 + ["*fp32"] * 6 + [elt] * 3 + ["*i32"] + [elt] * 2
+    types = [elt] * 6 + ["*fp32"] * 6 + [elt] * 3 + ["*i32"]
     sig = dict(zip(POINTERS, types))
     sig.update({name: "i32" for name in INTS})
     consts = dict(BT=bt, BD=128, BM=64, BV=bv, NORM=0, PREC="tf32", SIDE=side, VARLEN=False,

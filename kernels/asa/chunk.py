@@ -439,7 +439,7 @@ def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, d
 def asa_bwd_chunk_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
-    dx_ptr, dv_ptr, dl_ptr, chunks_ptr, dk_ptr, dlk_ptr,
+    dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
     T, H, G, D, M, DV, NT, NV,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
@@ -463,27 +463,14 @@ def asa_bwd_chunk_kernel(
     ``python tools/kernel_spills.py --bt 128 --bv 64``), BT = 128, 8 warps: query side 1376 →
     652 bytes; key side 3212 → 3944 (worse: its pressure is elsewhere, not yet found).
 
-    ``SIDE == 2`` (cfg ``bwd_fused_sides``): both sides in one program, the query side then the
-    key side (dx, dl: dq, dℓ_q; dk, dlk: the key side's). The key side then reads the chunk's q,
-    k, v and dO again right after the query side did, from L2 rather than from HBM, and the two
-    launches become one; the sides run one after the other, so no more is live at once."""
-    if SIDE == 2:
-        _bwd_chunk_side(q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-                        states_ptr, zs_ptr, dstates_ptr, dzs_ptr, dx_ptr, dv_ptr, dl_ptr,
-                        chunks_ptr, T, H, G, D, M, DV, NT, NV,
-                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                        BT, BD, BM, BV, NORM, PREC, 0, VARLEN, SPLIT, BDX)
-        _bwd_chunk_side(q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-                        states_ptr, zs_ptr, dstates_ptr, dzs_ptr, dk_ptr, dv_ptr, dlk_ptr,
-                        chunks_ptr, T, H, G, D, M, DV, NT, NV,
-                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                        BT, BD, BM, BV, NORM, PREC, 1, VARLEN, SPLIT, BDX)
-    else:
-        _bwd_chunk_side(q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-                        states_ptr, zs_ptr, dstates_ptr, dzs_ptr, dx_ptr, dv_ptr, dl_ptr,
-                        chunks_ptr, T, H, G, D, M, DV, NT, NV,
-                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                        BT, BD, BM, BV, NORM, PREC, SIDE, VARLEN, SPLIT, BDX)
+    (A program running both sides one after the other, so the key side would read the
+    chunk's inputs from L2, measured slower on the H100: 16K 1.109 → 1.198 ms, 64K 4.095 →
+    4.472 ms fwd+bwd, CUDA graph, 2026-11-22; removed.)"""
+    _bwd_chunk_side(q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
+                    states_ptr, zs_ptr, dstates_ptr, dzs_ptr, dx_ptr, dv_ptr, dl_ptr,
+                    chunks_ptr, T, H, G, D, M, DV, NT, NV,
+                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
+                    BT, BD, BM, BV, NORM, PREC, SIDE, VARLEN, SPLIT, BDX)
 
 
 @triton.jit

@@ -86,12 +86,6 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     -v), the split one halves the query side's at BV_bwd = 64 (see its docstring). On the H100
     (CUDA-graph timing, 16K) the gradient kernel took 622 µs split against 565 µs one-pass.
 
-    bwd_fused_sides (off until GPU-tested and measured): both sides of the gradient kernel in
-    one program, one after the other (``asa_bwd_chunk_kernel``'s SIDE = 2), so the key side
-    reads the chunk's q, k, v and dO from L2 right after the query side brought them in. At
-    64K the second side's reads are ≈ 1.1 GB from HBM today, against a gradient kernel of ≈ 2.1
-    ms at about half of HBM bandwidth.
-
     The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
     boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
     overrides any value.
@@ -126,7 +120,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
         r_kernel=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
-        bwd_split=False, BDX=64, bwd_fused_sides=False,
+        bwd_split=False, BDX=64,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
@@ -405,13 +399,10 @@ class ASAChunkFunction(torch.autograd.Function):
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         split = bool(cfg["bwd_split"])  # fewer live registers; dx in BDX-column blocks
         bdx = min(cfg["BDX"], cfg["BD"]) if split else cfg["BD"]
-        # one launch per side, or both sides in one program (cfg bwd_fused_sides, SIDE = 2:
-        # dx, dl are the query side's, dk, dlk the key side's)
-        sides = [(2, dq, dlq)] if cfg["bwd_fused_sides"] else [(0, dq, dlq), (1, dk_h, dlk)]
-        for side, dx, dl in sides:
+        for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
             asa_bwd_chunk_kernel[(NT, B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
-                dx, dv_h, dl, chunks if chunks is not None else den, dk_h, dlk,
+                dx, dv_h, dl, chunks if chunks is not None else den,
                 T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
