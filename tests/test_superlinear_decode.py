@@ -91,13 +91,15 @@ def test_reference_prefill_and_decode_equal_full_forward(knobs):
     torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("launch", ["{}", '{"elementwise_mix": false}', '{"fused_merge": true}',
-                                    '{"fused_merge": true, "fused_mix": true}',
-                                    '{"fused_merge": true, "fused_mix": true, "gate_kernel": true}'])
+TORCH_GLUE = '"fused_merge": false, "fused_mix": false, "gate_kernel": false'
+
+
+@pytest.mark.parametrize("launch", ["{}", '{"fused_mix": false}', '{%s}' % TORCH_GLUE,
+                                    '{%s, "elementwise_mix": false}' % TORCH_GLUE])
 @pytest.mark.parametrize("knobs", KNOBS[:2], ids=KNOB_IDS[:2])
 def test_kernel_prefill_and_decode_equal_full_forward(knobs, launch, monkeypatch):
-    # the gated mixture's forms (elementwise by default, einsum), and the merge in the span
-    # kernel (fused_merge), and the mixture kernel (fused_mix)
+    # the defaults (merge and mixture in mix_fwd_kernel, the search's scores for the gate), the
+    # merge in the span kernel, the torch glue (element-wise, and einsum)
     monkeypatch.setenv("MEGATRON_SUBQ_SUPERLINEAR_LAUNCH", launch)
     q, q_s, k, v = _inputs(2, 41, 4, 2, 8)
     full = superlinear_attention_reference(q, q_s, k, v, **knobs)

@@ -20,6 +20,7 @@ Top-k: the kernel's kept anchors equal the reference's for every (b, t, h) whose
 scores have no exact tie at the k-th place (random inputs: all of them, checked).
 """
 
+import json
 import os
 
 import pytest
@@ -110,7 +111,12 @@ LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
 WINDOW_DKDV = '{"window_dkdv": true, "span_dkdv": false}'
 SPAN_DKDV = '{"window_dkdv": false, "span_dkdv": true}'
 BOTH_DKDV = '{"window_dkdv": true, "span_dkdv": true}'
-NO_OPTIONS = '{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false}'
+# the glue options (on by default): with them off, the torch forms of the merge, the gated
+# mixture and the gate, and the span dK/dV kernel's gathered loads
+FUSED_OFF = ('"fused_merge": false, "fused_mix": false, "gate_kernel": false, '
+             '"sorted_pairs": false')
+NO_OPTIONS = ('{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false, %s}'
+              % FUSED_OFF)
 
 
 class _CountedLaunches:
@@ -171,11 +177,12 @@ def test_both_dkdv_half_dtypes(dtype, monkeypatch):
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
 
 
-ALL_OPTIONS = '{"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true}'
+ALL_OPTIONS = '{"window_dkdv": true, "span_dkdv": true, "elementwise_mix": true, %s}' % FUSED_OFF
 
 
 @pytest.mark.parametrize("shape,knobs", CPU_CASES[:3], ids=[str(c[0][1]) for c in CPU_CASES[:3]])
 def test_all_launch_options_fp32(shape, knobs, monkeypatch):
+    """The first three options with the torch glue: the element-wise gate and mixture."""
     monkeypatch.setenv(LAUNCH_ENV, ALL_OPTIONS)
     einsums = []  # the kernel path's einsums (the reference has its own): none with the option
     real_einsum = torch.einsum
@@ -191,11 +198,8 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
     assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
 
 
-FUSED_MERGE = '{"fused_merge": true}'
-
-
 class _MergeLaunches:
-    """Stands in for span_fwd_kernel and records the MERGE of each launch."""
+    """Stands in for a kernel with a MERGE flag and records the flag of each launch."""
 
     def __init__(self, kernel):
         self.kernel, self.merge = kernel, []
@@ -207,43 +211,54 @@ class _MergeLaunches:
         return launch
 
 
+# launch option fused_merge (on): the span/window log-sum-exp merge in the mixture kernel
+# (with fused_mix) or in the span kernel's epilogue (without); off: torch passes
+MERGE_PLACES = {"mix": ("{}", [False], [True]), "span": ('{"fused_mix": false}', [True], []),
+                "torch": ('{"fused_mix": false, "fused_merge": false}', [False], [])}
+
+
+@pytest.mark.parametrize("place", sorted(MERGE_PLACES))
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
-def test_fused_merge_fp32(shape, knobs, monkeypatch):
-    """The span/window log-sum-exp merge in the span kernel's epilogue (launch option
-    fused_merge): windows, no window, queries without anchors, GQA."""
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
-    counted = _MergeLaunches(KERNEL.function.span_fwd_kernel)
-    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", counted)
+def test_fused_merge_fp32(shape, knobs, place, monkeypatch):
+    """Windows, no window, queries without anchors, GQA; the merge runs where asked."""
+    launch, span_merge, mix_merge = MERGE_PLACES[place]
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    span = _MergeLaunches(KERNEL.function.span_fwd_kernel)
+    mix = _MergeLaunches(KERNEL.function.mix_fwd_kernel)
+    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
+    monkeypatch.setattr(KERNEL.function, "mix_fwd_kernel", mix)
     _compare(shape, knobs, torch.float32)
-    assert counted.merge == [True]
+    assert (span.merge, mix.merge) == (span_merge, mix_merge)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_merge_half_dtypes(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MERGE)
+def test_span_merge_half_dtypes(dtype, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, MERGE_PLACES["span"][0])
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
 
 
-# launch option fused_mix: the gated mixture and its backward in Triton, the backward kernels
-# reading dO with per-row coefficients; with and without the fused merge, and on the
-# query-centric (atomic dK, dV) backward
-# (and launch options gate_kernel: the gate's scores from the search kernel, its backward in
-# gate_bwd_kernel; sorted_pairs: the span dK/dV kernel on sorted copies of the pairs' rows;
-# each alone and with the others)
-FUSED_MIX = {"merge": '{"fused_mix": true, "fused_merge": true}',
-             "torch-merge": '{"fused_mix": true}',
-             "atomic-dkdv": '{"fused_mix": true, "window_dkdv": false, "span_dkdv": false}',
-             "gate": '{"gate_kernel": true}',
-             "sorted": '{"sorted_pairs": true}',
-             "all": '{"fused_mix": true, "fused_merge": true, "gate_kernel": true, '
-                    '"sorted_pairs": true}'}
+# the other glue options: fused_mix (the gated mixture and its backward in Triton, the backward
+# kernels reading dO with per-row coefficients), gate_kernel (the gate's scores from the search
+# kernel, its backward in gate_bwd_kernel), sorted_pairs (the span dK/dV kernel on sorted copies
+# of the pairs' rows): each alone, all (the default), and on the query-centric backward
+def _only(**on):
+    options = {"fused_merge": False, "fused_mix": False, "gate_kernel": False,
+               "sorted_pairs": False, **on}
+    return json.dumps(options)
+
+
+FUSED_MIX = {"mix": _only(fused_mix=True),
+             "gate": _only(gate_kernel=True),
+             "sorted": _only(sorted_pairs=True),
+             "all": "{}",
+             "atomic-dkdv": '{"window_dkdv": false, "span_dkdv": false}'}
 
 
 @pytest.mark.parametrize("variant", sorted(FUSED_MIX))
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
 def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     """Windows, no window, queries without anchors, GQA; the options are taken (one mixture
-    backward launch, no per-pair dA; one gate backward launch)."""
+    backward launch, no per-pair dA; one gate backward launch; two sorting launches)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
     counted = {name: _CountedLaunches(getattr(KERNEL.function, name))
                for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
@@ -253,19 +268,15 @@ def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     options = KERNEL.function.launch_options()
     assert counted["mix_bwd_kernel"].launches == int(options["fused_mix"])
     assert counted["gate_bwd_kernel"].launches == int(options["gate_kernel"])
-    assert counted["sort_pairs_kernel"].launches == 2 * int(options["sorted_pairs"])
+    sorting = options["sorted_pairs"] and options["span_dkdv"]
+    assert counted["sort_pairs_kernel"].launches == 2 * int(sorting)
 
 
+@pytest.mark.parametrize("variant", ["mix", "gate", "sorted"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_mix_half_dtypes(dtype, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["all"])
+def test_fused_mix_half_dtypes(dtype, variant, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
     _compare((1, 70, 4, 2, 16), dict(sw_index=2, forward_factor=0.5), dtype)
-
-
-def test_fused_mix_other_blocks(monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX["all"])
-    _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32,
-             block_m=32, block_n=16)
 
 
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
@@ -364,11 +375,12 @@ def test_kernel_matches_reference_gpu(shape, knobs, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("launch", [NO_OPTIONS, FUSED_MERGE, FUSED_MIX["merge"], FUSED_MIX["all"]],
-                         ids=["off", "fused_merge", "fused_mix", "fused_all"])
+@pytest.mark.parametrize("launch", [NO_OPTIONS, "{%s}" % FUSED_OFF, MERGE_PLACES["span"][0]],
+                         ids=["off", "torch_glue", "span_merge"])
 def test_launch_options_gpu(launch, dtype, monkeypatch):
-    """Every option off (query-centric backward, einsum gate), fused_merge, fused_mix with
-    fused_merge, and those with gate_kernel, at the Nemotron layout."""
+    """Every option off (query-centric backward, einsum gate), the torch glue (merge, mixture,
+    gate in torch), and the merge in the span kernel, at the Nemotron layout (the defaults:
+    test_kernel_matches_reference_gpu)."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
     _compare((1, 3001, 32, 2, 128), dict(sw_index=16, backward_factor=4.0, forward_factor=2.0),
              dtype)
@@ -388,7 +400,7 @@ def test_topk_indices_gpu_nemotron_layout():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", ["{}", FUSED_MIX["all"]], ids=["default", "fused_all"])
+@pytest.mark.parametrize("launch", ["{}", "{%s}" % FUSED_OFF], ids=["default", "torch_glue"])
 def test_cuda_graph_replay_gpu(launch, monkeypatch):
     """fwd+bwd captured in a CUDA graph and replayed on new values equals eager; the position
     plan is cached on the device before the capture (the warm-up calls build it). The attention

@@ -92,29 +92,31 @@ def launch_options() -> dict:
       ``torch.einsum``, which runs them as about 10⁶ tiny fp32 cuBLAS matrix products
       (≈ 13 ms of fp32 GEMM and ≈ 6 ms of GEMV kernels at T = 64K, H100 profile).
 
-    * fused_merge (off until GPU-tested and measured): the log-sum-exp merge of span and
-      window outputs in the span kernel's epilogue (``span_fwd_kernel``'s MERGE) instead of
-      about eight torch passes over [B·H, T, k, d] fp32 tensors (1 GB each at 64K, 16 heads).
+    Four more, on since the fifth session's H100 A/B (2026-11-22, same shapes, fwd+bwd at
+    16K / 32K / 64K: 17.9 / 41.0 / 98.9 ms with none of them; fused_merge + fused_mix 15.1 /
+    35.5 / 87.6; + gate_kernel 13.8 / 33.2 / 83.2; + sorted_pairs 13.3 / 31.5 / 77.9), each
+    GPU-tested first; off, each falls back to the torch form (kept: the tests compare both):
 
-    * fused_mix (off until GPU-tested and measured): the gated mixture and its backward in
-      Triton (``SuperlinearMixFunction``: ``mix_fwd_kernel``, ``mix_bwd_kernel``); the
-      backward kernels then read dO [B, T, H, D] with a per-row coefficient instead of the
-      per-pair dA [B*H, T, k, D] float32 and the window's dO_w, which took about eight more
-      torch passes over such tensors.
-
-    * gate_kernel (off until GPU-tested and measured): the gate's kept scores are the search
-      kernel's (``KeptScoresFunction``), their backward ``gate_bwd_kernel``, instead of
-      gathering the kept keys into a [B, T, H, k, D] float32 tensor (and scatter-adding its
-      gradient back).
-
-    * sorted_pairs (off until GPU-tested and measured): the span dK/dV kernel reads q, dA and
-      the pairs' statistics from copies in the sorted pair order (``sort_pairs_kernel``, one
-      pass each) instead of gathering them through the order at every key-block visit.
+    * fused_mix: the gated mixture and its backward in Triton (``SuperlinearMixFunction``:
+      ``mix_fwd_kernel``, ``mix_bwd_kernel``); the backward kernels then read dO [B, T, H, D]
+      with a per-row coefficient instead of the per-pair dA [B*H, T, k, D] float32 and the
+      window's dO_w, which took about eight torch passes over such tensors.
+    * fused_merge: the log-sum-exp merge of span and window outputs in a kernel instead of
+      about eight torch passes over [B·H, T, k, d] fp32 tensors (1 GB each at 64K, 16 heads):
+      ``mix_fwd_kernel``'s MERGE with fused_mix (each window row read once per query), else
+      ``span_fwd_kernel``'s (gathered once per pair: its epilogue took the span kernel from
+      3.77 to 4.77 ms at 32K).
+    * gate_kernel: the gate's kept scores are the search kernel's (``KeptScoresFunction``),
+      their backward ``gate_bwd_kernel``, instead of gathering the kept keys into a
+      [B, T, H, k, D] float32 tensor (and scatter-adding its gradient back).
+    * sorted_pairs: the span dK/dV kernel reads q, dA and the pairs' statistics from copies in
+      the sorted pair order (``sort_pairs_kernel``, one pass each) instead of gathering them
+      through the order at every key-block visit (9.7 → 7.5 ms at 32K).
 
     ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
-    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=False,
-                   fused_mix=False, gate_kernel=False, sorted_pairs=False)
+    options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
+                   fused_mix=True, gate_kernel=True, sorted_pairs=True)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -160,13 +162,14 @@ def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, wind
 
 
 def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0,
-                           fused_merge: bool = False):
+                           merge: str = "torch"):
     """Per (query, slot) pair: softmax attention over the pair's span keys (outside the window)
     merged with the window by log-sum-exp. q: [B, T, H, D] at positions [start, start + T); k, v:
     [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
     [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
-    lse_w [B*H, T]). ``fused_merge`` (launch option): the merge runs in the span kernel's
-    epilogue instead of as torch passes over the [B*H, T, k, D] fp32 tensors."""
+    lse_w [B*H, T], o_w [B*H, T, D]). ``merge``: where the merge runs — "torch" (passes over the
+    [B*H, T, k, D] fp32 tensors), "span" (the span kernel's epilogue) or "caller" (A and lse
+    are returned as the span parts alone; ``mix_fwd_kernel``'s MERGE merges them)."""
     B, T, H, D = q.shape
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
@@ -193,10 +196,10 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
         q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
         *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        PRECISION=prec, MERGE=fused_merge, num_warps=cfg.num_warps)
-    if fused_merge:  # o_s, lse_s already hold the merged output and lse
+        PRECISION=prec, MERGE=merge == "span", num_warps=cfg.num_warps)
+    if merge != "torch":  # merged by the span kernel, or left to the caller
         return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
-                lse_w)
+                lse_w, o_w)
 
     # merge span and window by log-sum-exp (a pair with neither gets A = 0)
     o_s = o_s.view(B * H, T, topk, D)
@@ -207,7 +210,7 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     w_s = torch.where(finite, torch.exp(lse_s - lse_safe), 0.0)
     w_w = torch.where(finite, torch.exp(lse_w[..., None] - lse_safe), 0.0)
     a = w_s[..., None] * o_s + w_w[..., None] * o_w[:, :, None, :]  # [B*H, T, k, D]
-    return a, order, lo_f, hi_f, lse, lse_w
+    return a, order, lo_f, hi_f, lse, lse_w, o_w
 
 
 def span_tile_ranges(order, lo_f, hi_f, T: int, block_m: int, block_n: int):
@@ -330,8 +333,8 @@ class SuperlinearSpanFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, lo, hi, window: int, cfg: LaunchConfig, options: dict):
         B, T, H, D = q.shape
         topk = lo.shape[-1]
-        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(
-            q, k, v, lo, hi, window, cfg, fused_merge=options["fused_merge"])
+        a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
+            q, k, v, lo, hi, window, cfg, merge="span" if options["fused_merge"] else "torch")
         ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
         ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
@@ -372,11 +375,10 @@ class SuperlinearMixFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict):
         B, T, H, D = q.shape
         topk = lo.shape[-1]
-        a, order, lo_f, hi_f, lse, lse_w = span_attention_forward(
-            q, k, v, lo, hi, window, cfg, fused_merge=options["fused_merge"])
-        gate = gate.float().contiguous()
-        out = mix_gated(a, gate, q.dtype, cfg)
-        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse.contiguous(), lse_w, gate)
+        a, order, lo_f, hi_f, lse, lse_w, out = _attend_and_mix(q, k, v, gate, lo, hi, window,
+                                                                cfg, options)
+        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse.contiguous(), lse_w,
+                              gate.float().contiguous())
         ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return out
 
@@ -405,17 +407,26 @@ class SuperlinearMixFunction(torch.autograd.Function):
         return dq, dk.to(k.dtype), dv.to(v.dtype), d_gate, None, None, None, None, None
 
 
-def mix_gated(a, gate, dtype, cfg: LaunchConfig):
-    """sum_slot gate_slot A_slot: a [B*H, T, k, D] float32, gate [B, T, H, k] float32 (contiguous)
-    -> [B, T, H, D] in ``dtype``."""
+def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict,
+                    start: int = 0):
+    """Span and window attention, then the gated mixture in ``mix_fwd_kernel`` (launch option
+    fused_mix); with fused_merge the log-sum-exp merge runs in that kernel too. Returns the
+    merged (A, order, lo_f, hi_f, lse, lse_w) of ``span_attention_forward`` and the output
+    [B, T, H, D] in q's dtype."""
+    merge_in_mix = options["fused_merge"]
+    a, order, lo_f, hi_f, lse, lse_w, o_w = span_attention_forward(
+        q, k, v, lo, hi, window, cfg, start=start, merge="caller" if merge_in_mix else "torch")
+    gate = gate.float().contiguous()
     B, T, H, topk = gate.shape
     D = a.shape[-1]
-    out = torch.empty(B, T, H, D, dtype=dtype, device=a.device)
+    lse = lse.contiguous()
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=a.device)
     mix_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-        a, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
+        a, lse, o_w, lse_w, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
         out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
-    return out
+        BLOCK_D=max(16, triton.next_power_of_2(D)), MERGE=merge_in_mix,
+        num_warps=cfg.num_warps)
+    return a, order, lo_f, hi_f, lse, lse_w, out
 
 
 def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
@@ -551,10 +562,11 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     elementwise = options["elementwise_mix"]
     gate = _gate(q_s, k, sel_t, elementwise, sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
-    a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
-                               fused_merge=options["fused_merge"])[0]
     if options["fused_mix"]:
-        return mix_gated(a, gate.contiguous(), out_dtype, cfg)
+        out = _attend_and_mix(q, k, v, gate, lo, hi, plan.plan.window, cfg, options, start)[-1]
+        return out.to(out_dtype)
+    a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
+                               merge="span" if options["fused_merge"] else "torch")[0]
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
     return _mix(gate, a.permute(0, 2, 1, 3, 4), elementwise).to(out_dtype)
