@@ -199,16 +199,25 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
 
 
 class _MergeLaunches:
-    """Stands in for a kernel with a MERGE flag and records the flag of each launch."""
+    """Stands in for a kernel and records one keyword (MERGE) of each launch."""
 
-    def __init__(self, kernel):
-        self.kernel, self.merge = kernel, []
+    def __init__(self, kernel, key="MERGE"):
+        self.kernel, self.key, self.merge = kernel, key, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.merge.append(kwargs["MERGE"])
+            self.merge.append(kwargs[self.key])
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def test_tiles_from_launch_options(monkeypatch):
+    """block_m / block_n from the launch options (the A/B runs' knob) reach the kernels."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"block_m": 32, "block_n": 16}')
+    span = _MergeLaunches(KERNEL.function.span_fwd_kernel, "BLOCK_N")
+    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
+    _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32)
+    assert span.merge == [16]
 
 
 # launch option fused_merge (on): the span/window log-sum-exp merge in the mixture kernel

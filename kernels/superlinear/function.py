@@ -113,7 +113,8 @@ def launch_options() -> dict:
       the sorted pair order (``sort_pairs_kernel``, one pass each) instead of gathering them
       through the order at every key-block visit (9.7 → 7.5 ms at 32K).
 
-    ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
+    ``block_m``, ``block_n``, ``num_warps`` (unset) override ``launch_config``'s tiles, for A/B
+    runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
                    fused_mix=True, gate_kernel=True, sorted_pairs=True)
@@ -121,6 +122,17 @@ def launch_options() -> dict:
     if overrides:
         options.update(json.loads(overrides))
     return options
+
+
+def _tiles(head_dim: int, block_m: Optional[int], block_n: Optional[int],
+           options: dict) -> LaunchConfig:
+    """The launch config: the caller's block sizes, else the launch options' ``block_m``,
+    ``block_n``, ``num_warps`` (for A/B runs; unset: ``launch_config``'s defaults)."""
+    cfg = launch_config(head_dim, block_m or options.get("block_m"),
+                        block_n or options.get("block_n"))
+    if options.get("num_warps"):
+        cfg = LaunchConfig(cfg.block_m, cfg.block_n, options["num_warps"])
+    return cfg
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -443,14 +455,14 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     B, T, H, D = q.shape
     check_int32_offsets("superlinear_attention_kernel", q=q.numel(), k=k.numel(),
                         per_anchor_outputs=B * T * H * topk * D)
-    cfg = launch_config(D, block_m, block_n)
+    options = launch_options()  # read once per call
+    cfg = _tiles(D, block_m, block_n, options)
     device_plan = _training_plan(T, search_power, span_power, backward_factor, forward_factor,
                                  sw_index, q.device)
     plan, offsets = device_plan.plan, device_plan.offsets_i32
 
     with torch.no_grad():
         sel_t, sel_s = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
-    options = launch_options()  # read once per call
     gate = _gate(q_s, k, sel_t, options["elementwise_mix"],
                  sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
@@ -554,11 +566,11 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     q, q_s = q.contiguous(), q_s.contiguous()
     if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels share k's strides for v
         k, v = k.contiguous(), v.contiguous()
-    cfg = launch_config(q.shape[-1], block_m, block_n)
+    options = launch_options()
+    cfg = _tiles(q.shape[-1], block_m, block_n, options)
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
     sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
-    options = launch_options()
     elementwise = options["elementwise_mix"]
     gate = _gate(q_s, k, sel_t, elementwise, sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
