@@ -211,13 +211,23 @@ class _MergeLaunches:
         return launch
 
 
-def test_tiles_from_launch_options(monkeypatch):
-    """block_m / block_n from the launch options (the A/B runs' knob) reach the kernels."""
-    monkeypatch.setenv(LAUNCH_ENV, '{"block_m": 32, "block_n": 16}')
+@pytest.mark.parametrize("tiles", [
+    dict(block_m=32, block_n=16),
+    # every kind of kernel with its own tiles, as on a GPU (query-centric 128 x 32, key-centric
+    # 64 x 32 / 64 x 64, rows 64), scaled to the interpreter's shapes
+    dict(block_m=32, block_n=16, kv_m=16, span_kv_n=16, window_kv_n=32, rows=16)],
+    ids=["query-centric", "each-kind"])
+def test_tiles_from_launch_options(tiles, monkeypatch):
+    """LaunchConfig fields from the launch options (the A/B runs' knob) reach the kernels."""
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps(tiles))
     span = _MergeLaunches(KERNEL.function.span_fwd_kernel, "BLOCK_N")
+    dkdv = _MergeLaunches(KERNEL.function.window_bwd_dkdv_kernel, "BLOCK_N")
     monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
+    monkeypatch.setattr(KERNEL.function, "window_bwd_dkdv_kernel", dkdv)
     _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32)
-    assert span.merge == [16]
+    _compare((2, 37, 4, 2, 8), dict(sw_index=1, forward_factor=0.5), torch.float32)
+    assert span.merge == [16, 16]
+    assert dkdv.merge == [tiles.get("window_kv_n", 16)] * 2
 
 
 # launch option fused_merge (on): the span/window log-sum-exp merge in the mixture kernel

@@ -1,31 +1,41 @@
 """Superlinear attention on Triton kernels: search + top-k, span attention merged with the window,
 the gate; forward and backward for q, q_s, k, v (GQA).
 
-The op splits into three parts:
+The op splits into four parts:
 
 1. **Search** (``search_topk_kernel``, no gradient): the kept anchors ``sel_t [B, T, H, k]``
-   (-1 where a query has fewer candidates than k).
-2. **Gate** (PyTorch autograd, O(T*k*D)): the kept scores are recomputed differentiably as
-   ``q_s(i) . k(t)`` from the gathered keys, ``gate = softmax`` over the kept slots (a query
-   without any anchor gets the one-hot gate of slot 0, whose span is empty: pure window attention).
-   This is the only path to q_s, as in the definition.
-3. **Span attention** (``SuperlinearSpanFunction``): per (query, slot) pair the attention over
-   span u window, ``A [B, T, H, k, D]``. The window part is computed once per query
-   (``window_fwd_kernel``: output o_w, lse_w); the span part per pair over the span keys outside
-   the window (``span_fwd_kernel``: o_s, lse_s); the union is merged by log-sum-exp:
+   (-1 where a query has fewer candidates than k) and their scores.
+2. **Gate** (O(T*k*D)): the kept scores ``q_s(i) . k(t)`` are the search kernel's
+   (``KeptScoresFunction``, backward ``gate_bwd_kernel``; launch option gate_kernel, else
+   recomputed in torch from gathered keys), ``gate = softmax`` over the kept slots (a query
+   without any anchor gets the one-hot gate of slot 0, whose span is empty: pure window
+   attention). This is the only path to q_s, as in the definition.
+3. **Span attention**: per (query, slot) pair the attention over span u window,
+   ``A [B*H, T, k, D]``. The window part is computed once per query (``window_fwd_kernel``:
+   output o_w, lse_w); the span part per pair over the span keys outside the window
+   (``span_fwd_kernel``: o_s, lse_s); the union is merged by log-sum-exp:
    ``A = (e^{lse_s} o_s + e^{lse_w} o_w) / (e^{lse_s} + e^{lse_w})``.
+4. **Mixture** ``out = sum_slot gate_slot A_slot``. By default parts 3-4 are one autograd
+   Function (``SuperlinearMixFunction``): ``mix_fwd_kernel`` merges (in place) and mixes in one
+   pass. With the launch option fused_mix off, ``SuperlinearSpanFunction`` returns A and torch
+   mixes.
 
-Backward of 3, with ``lse = logaddexp(lse_s, lse_w)`` per pair and ``Delta = rowsum(dA * A)``:
-the span part is an ordinary flash backward per pair (``span_bwd_kernel``, P = e^{s - lse}); the
-window keys are shared by the k pairs of a query, and since P_window,slot = P_w * c_slot with
-``c_slot = e^{lse_w - lse_slot}``, their k backward passes collapse into one window backward
-(``window_bwd_kernel``) with ``dO_w = sum_slot c_slot dA_slot`` and
-``Delta_w = sum_slot c_slot Delta_slot``. dk/dv are accumulated in float32 with atomic adds.
+Backward of 3-4, with ``lse = logaddexp(lse_s, lse_w)`` per pair and ``Delta = rowsum(dA * A)``:
+the mixture gives ``dA_slot = gate_slot dO`` and ``dgate_slot = dO . A_slot`` (``mix_bwd_kernel``,
+which also writes every per-row factor below). The span part is an ordinary flash backward per
+pair (``span_bwd_kernel`` for dq, ``span_bwd_dkdv_kernel`` key-centric for dk, dv; P = e^{s -
+lse}); the window keys are shared by the k pairs of a query, and since P_window,slot = P_w *
+c_slot with ``c_slot = e^{lse_w - lse_slot}``, their k backward passes collapse into one window
+backward (``window_bwd_kernel``, ``window_bwd_dkdv_kernel``) with ``dO_w = sum_slot c_slot dA_slot
+= gamma dO`` (gamma = sum_slot c_slot gate_slot) and ``Delta_w = sum_slot c_slot Delta_slot``. So
+the backward kernels read the model's dO [B, T, H, D] times a per-row coefficient, never a
+materialised dA. dk, dv are float32 sums, written once per key block (or, with the dkdv options
+off, atomic adds from the query-centric kernels).
 
 Pairs are bucketed by key footprint: per head, a stable sort of the span start (ties keep query
 order), so a tile of BLOCK_M consecutive pairs reads one contiguous run of key blocks.
 
-Chunked prefill (``superlinear_prefill_kernel``, forward only) runs parts 1-3 on a chunk of
+Chunked prefill (``superlinear_prefill_kernel``, forward only) runs parts 1-4 on a chunk of
 queries at positions [start, start + C) against the keys [0, start + C): the search and window
 kernels take the query offset, the span kernel indexes query rows and key positions separately.
 The decode step has its own kernels (``decode.py``).
@@ -33,6 +43,7 @@ The decode step has its own kernels (``decode.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -56,18 +67,42 @@ from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_to
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """Tiles per kind of kernel (no autotuning: it must also run under TRITON_INTERPRET=1).
+
+    block_m x block_n: the query-centric attention kernels (window and span forward, their dq
+    backward), rows (queries or pairs) x keys per step. kv_m x span_kv_n / window_kv_n: the
+    key-centric dK/dV kernels, rows per tile x the program's key block. rows: the per-row
+    kernels (search + top-k, mixture, gate backward, pair sorting)."""
     block_m: int
     block_n: int
+    kv_m: int
+    span_kv_n: int
+    window_kv_n: int
+    rows: int
     num_warps: int
 
 
-def launch_config(head_dim: int, block_m: Optional[int] = None,
-                  block_n: Optional[int] = None) -> LaunchConfig:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
-    default = 16 if triton_interpreting() else 64  # the interpreter runs programs in numpy
+def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optional[int] = None,
+                  dtype: Optional[torch.dtype] = None) -> LaunchConfig:
+    """The fixed launch configuration. A caller's block_m / block_n set every kernel's tiles
+    (the tests' ragged-tile cases). Else: 16 in the interpreter (it runs programs in numpy);
+    on a GPU, 16-bit inputs take each kernel's best tiles of the fifth session's H100 A/B
+    (2026-11-22, B = 1, H = 16, d = 128, T = 32K, per-kernel CUDA time, docs/benchmarks.md):
+    the query-centric kernels 128 x 32 (span forward 3.72 → 2.21 ms, span dq 4.01 → 2.34,
+    window forward 1.43 → 0.97, window dq 2.57 → 1.42, against 64 x 64), the span dK/dV kernel
+    64 pairs x 32 keys (7.36 → 5.94), the window dK/dV kernel and the per-row kernels 64 (the
+    search took 2.67 ms at 64 rows, 4.00 at 128); fp32 (for checking) keeps 64 everywhere,
+    whose tiles fit shared memory."""
     bd = max(16, triton.next_power_of_2(head_dim))
-    return LaunchConfig(block_m=block_m or default, block_n=block_n or default,
-                        num_warps=4 if bd <= 64 else 8)
+    warps = 4 if bd <= 64 else 8
+    if block_m or block_n or triton_interpreting():
+        m = block_m or (16 if triton_interpreting() else 64)
+        n = block_n or (16 if triton_interpreting() else 64)
+        return LaunchConfig(m, n, m, n, n, m, warps)
+    if dtype == torch.float32:
+        return LaunchConfig(64, 64, 64, 64, 64, 64, warps)
+    return LaunchConfig(block_m=128, block_n=32, kv_m=64, span_kv_n=32, window_kv_n=64,
+                        rows=64, num_warps=warps)
 
 
 LAUNCH_ENV = "MEGATRON_SUBQ_SUPERLINEAR_LAUNCH"  # JSON overrides of the options below
@@ -113,8 +148,8 @@ def launch_options() -> dict:
       the sorted pair order (``sort_pairs_kernel``, one pass each) instead of gathering them
       through the order at every key-block visit (9.7 → 7.5 ms at 32K).
 
-    ``block_m``, ``block_n``, ``num_warps`` (unset) override ``launch_config``'s tiles, for A/B
-    runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
+    Any field of ``LaunchConfig`` (``block_m``, ``kv_m``, ``num_warps``…; unset) overrides
+    ``launch_config``'s tiles, for A/B runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
     (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
                    fused_mix=True, gate_kernel=True, sorted_pairs=True)
@@ -124,15 +159,13 @@ def launch_options() -> dict:
     return options
 
 
-def _tiles(head_dim: int, block_m: Optional[int], block_n: Optional[int],
+def _tiles(head_dim: int, block_m: Optional[int], block_n: Optional[int], dtype,
            options: dict) -> LaunchConfig:
-    """The launch config: the caller's block sizes, else the launch options' ``block_m``,
-    ``block_n``, ``num_warps`` (for A/B runs; unset: ``launch_config``'s defaults)."""
-    cfg = launch_config(head_dim, block_m or options.get("block_m"),
-                        block_n or options.get("block_n"))
-    if options.get("num_warps"):
-        cfg = LaunchConfig(cfg.block_m, cfg.block_n, options["num_warps"])
-    return cfg
+    """The launch config of ``launch_config``, with any of its fields (``block_m``,
+    ``kv_m``, ``num_warps``…) overridden by the launch options of the same name (A/B runs)."""
+    cfg = launch_config(head_dim, block_m, block_n, dtype)
+    return dataclasses.replace(cfg, **{f.name: options[f.name]
+                                       for f in dataclasses.fields(cfg) if f.name in options})
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -147,11 +180,11 @@ def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk:
     H_kv = k.shape[2]
     sel_t = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_s.device)
     sel_s = torch.empty(B, H, T, topk, dtype=torch.float32, device=q_s.device)
-    grid = (triton.cdiv(T, cfg.block_m), B * H)
+    grid = (triton.cdiv(T, cfg.rows), B * H)
     search_topk_kernel[grid](
         q_s, k, offsets, sel_t, sel_s, T, start, offsets.numel(), H, H // H_kv, D,
         q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        BLOCK_M=cfg.block_m, BLOCK_D=max(16, triton.next_power_of_2(D)), TOPK=topk,
+        BLOCK_M=cfg.rows, BLOCK_D=max(16, triton.next_power_of_2(D)), TOPK=topk,
         TOPK_PAD=max(2, triton.next_power_of_2(topk)), num_warps=cfg.num_warps)
     return sel_t, sel_s
 
@@ -281,14 +314,14 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
         PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None,
         num_warps=cfg.num_warps)
     if options["span_dkdv"]:
-        first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.block_m, cfg.block_n)
+        first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.kv_m, cfg.span_kv_n)
         n_kb = first.shape[1]
         pairs = (q, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta)
         if options["sorted_pairs"]:  # the pairs' rows in the sorted order (see the kernel)
             pairs = _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg)
         span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
             pairs[0], k, v, *pairs[1:], first, end, dk, dv, T, P, H, H // H_kv, D, n_kb,
-            scale, *strides, *up_strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            scale, *strides, *up_strides, TOPK=topk, BLOCK_M=cfg.kv_m, BLOCK_N=cfg.span_kv_n,
             BLOCK_D=block_d, PRECISION=prec, HAS_COEF=coef is not None,
             SORTED=options["sorted_pairs"], num_warps=cfg.num_warps, num_stages=dkdv_stages)
     dq = dq_pairs.view(B * H, T, topk, D).sum(2)
@@ -303,10 +336,10 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
             BLOCK_D=block_d, PRECISION=prec, ATOMIC_KV=not key_centric,
             HAS_COEF=win_coef is not None, num_warps=cfg.num_warps)
         if key_centric:  # after the span kernel: dk, dv hold its sums, this adds the window's
-            window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
+            window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.window_kv_n), B * H_kv)](
                 q, k, v, win_up, win_coef_arg, lse_w, delta_w, dk, dv, T, H, H // H_kv, D,
-                window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+                window, scale, *strides, *win_strides, BLOCK_M=cfg.kv_m,
+                BLOCK_N=cfg.window_kv_n, BLOCK_D=block_d, PRECISION=prec,
                 HAS_COEF=win_coef is not None, num_warps=cfg.num_warps,
                 num_stages=dkdv_stages)
         dq = dq + dq_w
@@ -319,16 +352,16 @@ def _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg: L
     B, T, H, D = q.shape
     BH, P = order.shape
     idx = order.long()
-    grid = (triton.cdiv(P, cfg.block_m), BH)
+    grid = (triton.cdiv(P, cfg.rows), BH)
     block_d = max(16, triton.next_power_of_2(D))
     q_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
     sort_pairs_kernel[grid](q, lse, order, q_s, P, H, D, q.stride(0), q.stride(1), q.stride(2),
-                            0, TOPK=P // T, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+                            0, TOPK=P // T, BLOCK_M=cfg.rows, BLOCK_D=block_d,
                             HAS_COEF=False, num_warps=4)
     # dA in q's dtype: the kernel rounds it to that for its matrix products anyway
     da_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
     sort_pairs_kernel[grid](up, lse if coef is None else coef, order, da_s, P, H, D,
-                            *up_strides, TOPK=P // T, BLOCK_M=cfg.block_m, BLOCK_D=block_d,
+                            *up_strides, TOPK=P // T, BLOCK_M=cfg.rows, BLOCK_D=block_d,
                             HAS_COEF=coef is not None, num_warps=4)
     lse, delta = lse.reshape(BH, P), delta.reshape(BH, P)
     unused_coef = lse  # dA already holds the coefficient
@@ -407,10 +440,10 @@ class SuperlinearMixFunction(torch.autograd.Function):
         delta = torch.empty_like(coef)
         gamma = torch.empty(B * H, T, dtype=torch.float32, device=dev)
         delta_w = torch.empty_like(gamma)
-        mix_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+        mix_bwd_kernel[(triton.cdiv(T, cfg.rows), B * H)](
             a, gate, d_out, lse, lse_w, d_gate, coef, delta, gamma, delta_w, T, H, D,
             gate.stride(0), gate.stride(1), gate.stride(2),
-            d_out.stride(0), d_out.stride(1), d_out.stride(2), TOPK=topk, BLOCK_M=cfg.block_m,
+            d_out.stride(0), d_out.stride(1), d_out.stride(2), TOPK=topk, BLOCK_M=cfg.rows,
             BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
         do_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
         dq, dk, dv = _span_window_backward(
@@ -433,9 +466,9 @@ def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, optio
     D = a.shape[-1]
     lse = lse.contiguous()
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=a.device)
-    mix_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
+    mix_fwd_kernel[(triton.cdiv(T, cfg.rows), B * H)](
         a, lse, o_w, lse_w, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.block_m,
+        out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.rows,
         BLOCK_D=max(16, triton.next_power_of_2(D)), MERGE=merge_in_mix,
         num_warps=cfg.num_warps)
     return a, order, lo_f, hi_f, lse, lse_w, out
@@ -456,7 +489,7 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     check_int32_offsets("superlinear_attention_kernel", q=q.numel(), k=k.numel(),
                         per_anchor_outputs=B * T * H * topk * D)
     options = launch_options()  # read once per call
-    cfg = _tiles(D, block_m, block_n, options)
+    cfg = _tiles(D, block_m, block_n, q.dtype, options)
     device_plan = _training_plan(T, search_power, span_power, backward_factor, forward_factor,
                                  sw_index, q.device)
     plan, offsets = device_plan.plan, device_plan.offsets_i32
@@ -502,10 +535,10 @@ class KeptScoresFunction(torch.autograd.Function):
         d_scores = d_scores.float().contiguous()
         dq_s = torch.empty(B, T, H, D, dtype=torch.float32, device=q_s.device)
         dk = torch.zeros(B, TK, H_kv, D, dtype=torch.float32, device=q_s.device)
-        gate_bwd_kernel[(triton.cdiv(T, ctx.cfg.block_m), B * H)](
+        gate_bwd_kernel[(triton.cdiv(T, ctx.cfg.rows), B * H)](
             q_s, k, sel_t, d_scores, dq_s, dk, T, TK, H, H // H_kv, D,
             q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            TOPK=sel_t.shape[-1], BLOCK_M=ctx.cfg.block_m,
+            TOPK=sel_t.shape[-1], BLOCK_M=ctx.cfg.rows,
             BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=ctx.cfg.num_warps)
         return dq_s.to(q_s.dtype), dk.to(k.dtype), None, None, None
 
@@ -567,7 +600,7 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     if k.stride(-1) != 1 or v.stride() != k.stride():  # the kernels share k's strides for v
         k, v = k.contiguous(), v.contiguous()
     options = launch_options()
-    cfg = _tiles(q.shape[-1], block_m, block_n, options)
+    cfg = _tiles(q.shape[-1], block_m, block_n, q.dtype, options)
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
     sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
