@@ -98,8 +98,8 @@ TORCH_GLUE = '"fused_merge": false, "fused_mix": false, "gate_kernel": false'
                                     '{%s, "elementwise_mix": false}' % TORCH_GLUE])
 @pytest.mark.parametrize("knobs", KNOBS[:2], ids=KNOB_IDS[:2])
 def test_kernel_prefill_and_decode_equal_full_forward(knobs, launch, monkeypatch):
-    # the defaults (merge and mixture in mix_fwd_kernel, the search's scores for the gate), the
-    # merge in the span kernel, the torch glue (element-wise, and einsum)
+    # the defaults (merge in the span kernel, mixture in mix_fwd_kernel, the search's scores for
+    # the gate), the torch mixture, the torch glue (element-wise, and einsum)
     monkeypatch.setenv("MEGATRON_SUBQ_SUPERLINEAR_LAUNCH", launch)
     q, q_s, k, v = _inputs(2, 41, 4, 2, 8)
     full = superlinear_attention_reference(q, q_s, k, v, **knobs)

@@ -16,8 +16,8 @@ The op splits into four parts:
    (``span_fwd_kernel``: o_s, lse_s); the union is merged by log-sum-exp:
    ``A = (e^{lse_s} o_s + e^{lse_w} o_w) / (e^{lse_s} + e^{lse_w})``.
 4. **Mixture** ``out = sum_slot gate_slot A_slot``. By default parts 3-4 are one autograd
-   Function (``SuperlinearMixFunction``): ``mix_fwd_kernel`` merges (in place) and mixes in one
-   pass. With the launch option fused_mix off, ``SuperlinearSpanFunction`` returns A and torch
+   Function (``SuperlinearMixFunction``): the span kernel's epilogue merges, ``mix_fwd_kernel``
+   mixes in one pass. With the launch option fused_mix off, ``SuperlinearSpanFunction`` returns A and torch
    mixes.
 
 Backward of 3-4, with ``lse = logaddexp(lse_s, lse_w)`` per pair and ``Delta = rowsum(dA * A)``:
@@ -136,11 +136,9 @@ def launch_options() -> dict:
       ``mix_fwd_kernel``, ``mix_bwd_kernel``); the backward kernels then read dO [B, T, H, D]
       with a per-row coefficient instead of the per-pair dA [B*H, T, k, D] float32 and the
       window's dO_w, which took about eight torch passes over such tensors.
-    * fused_merge: the log-sum-exp merge of span and window outputs in a kernel instead of
-      about eight torch passes over [B·H, T, k, d] fp32 tensors (1 GB each at 64K, 16 heads):
-      ``mix_fwd_kernel``'s MERGE with fused_mix (each window row read once per query), else
-      ``span_fwd_kernel``'s (gathered once per pair: its epilogue took the span kernel from
-      3.77 to 4.77 ms at 32K).
+    * fused_merge: the log-sum-exp merge of span and window outputs in ``span_fwd_kernel``'s
+      epilogue (MERGE) instead of about eight torch passes over [B·H, T, k, d] fp32 tensors
+      (1 GB each at 64K, 16 heads).
     * gate_kernel: the gate's kept scores are the search kernel's (``KeptScoresFunction``),
       their backward ``gate_bwd_kernel``, instead of gathering the kept keys into a
       [B, T, H, k, D] float32 tensor (and scatter-adding its gradient back).
@@ -213,8 +211,8 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
     [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
     lse_w [B*H, T], o_w [B*H, T, D]). ``merge``: where the merge runs — "torch" (passes over the
-    [B*H, T, k, D] fp32 tensors), "span" (the span kernel's epilogue) or "caller" (A and lse
-    are returned as the span parts alone; ``mix_fwd_kernel``'s MERGE merges them)."""
+    [B*H, T, k, D] fp32 tensors) or "span" (the span kernel's epilogue: launch option
+    fused_merge)."""
     B, T, H, D = q.shape
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
@@ -242,7 +240,7 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
         q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
         *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         PRECISION=prec, MERGE=merge == "span", num_warps=cfg.num_warps)
-    if merge != "torch":  # merged by the span kernel, or left to the caller
+    if merge == "span":  # o_s, lse_s already hold the merged output and lse
         return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
                 lse_w, o_w)
 
@@ -454,24 +452,21 @@ class SuperlinearMixFunction(torch.autograd.Function):
 
 def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict,
                     start: int = 0):
-    """Span and window attention, then the gated mixture in ``mix_fwd_kernel`` (launch option
-    fused_mix); with fused_merge the log-sum-exp merge runs in that kernel too. Returns the
-    merged (A, order, lo_f, hi_f, lse, lse_w) of ``span_attention_forward`` and the output
-    [B, T, H, D] in q's dtype."""
-    merge_in_mix = options["fused_merge"]
-    a, order, lo_f, hi_f, lse, lse_w, o_w = span_attention_forward(
-        q, k, v, lo, hi, window, cfg, start=start, merge="caller" if merge_in_mix else "torch")
+    """Span and window attention (merged where fused_merge says), then the gated mixture in
+    ``mix_fwd_kernel`` (launch option fused_mix). Returns the merged (A, order, lo_f, hi_f, lse,
+    lse_w) of ``span_attention_forward`` and the output [B, T, H, D] in q's dtype."""
+    a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
+        q, k, v, lo, hi, window, cfg, start=start,
+        merge="span" if options["fused_merge"] else "torch")
     gate = gate.float().contiguous()
     B, T, H, topk = gate.shape
     D = a.shape[-1]
-    lse = lse.contiguous()
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=a.device)
     mix_fwd_kernel[(triton.cdiv(T, cfg.rows), B * H)](
-        a, lse, o_w, lse_w, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
+        a, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
         out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.rows,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), MERGE=merge_in_mix,
-        num_warps=cfg.num_warps)
-    return a, order, lo_f, hi_f, lse, lse_w, out
+        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
+    return a, order, lo_f, hi_f, lse.contiguous(), lse_w, out
 
 
 def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2,
