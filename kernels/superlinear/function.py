@@ -170,6 +170,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # ignored for 16-bit operands
 
 
+def _attention_args(q, k):
+    """What every attention kernel launch takes from q [B, T, H, D] and k: the softmax scale,
+    the padded head dim, the dot precision, and q's and k's (b, t, h) strides (v shares k's)."""
+    D = q.shape[-1]
+    return (1.0 / math.sqrt(D), max(16, triton.next_power_of_2(D)), _precision(q.dtype),
+            (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2)))
+
+
 def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk: int,
                 cfg: LaunchConfig, start: int = 0):
     """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf) of the
@@ -217,10 +225,7 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
     P = T * topk
-    scale = 1.0 / math.sqrt(D)
-    block_d = max(16, triton.next_power_of_2(D))
-    prec = _precision(q.dtype)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    scale, block_d, prec, strides = _attention_args(q, k)
     dev = q.device
 
     o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
@@ -291,10 +296,7 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     H_kv = k.shape[2]
     topk = lse.shape[-1]
     P = T * topk
-    scale = 1.0 / math.sqrt(D)
-    block_d = max(16, triton.next_power_of_2(D))
-    prec = _precision(q.dtype)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    scale, block_d, prec, strides = _attention_args(q, k)
     dev = q.device
     dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
     dv = torch.zeros_like(dk)
