@@ -182,9 +182,10 @@ stage_superlinear_ab() {
 
 stage_superlinear_bench() {
   # the default against cuDNN, then each launch override of $SL_AB (';'-separated JSON; default:
-  # the two options not yet default, fused_merge, and fused_mix with it), one process each
+  # the torch glue, i.e. the fifth session's four glue options off), one process each
   local launches launch tag
-  IFS=';' read -ra launches <<< "{};${SL_AB:-{\"fused_merge\": true\};{\"fused_merge\": true, \"fused_mix\": true\}}"
+  local glue_off='{"fused_merge": false, "fused_mix": false, "gate_kernel": false, "sorted_pairs": false}'
+  IFS=';' read -ra launches <<< "{};${SL_AB:-$glue_off}"
   for launch in "${launches[@]}"; do
     tag=$(echo "$launch" | tr -dc 'a-z_')
     MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear \
