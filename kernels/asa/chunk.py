@@ -466,25 +466,6 @@ def asa_bwd_chunk_kernel(
     (A program running both sides one after the other, so the key side would read the
     chunk's inputs from L2, measured slower on the H100: 16K 1.109 → 1.198 ms, 64K 4.095 →
     4.472 ms fwd+bwd, CUDA graph, 2026-11-22; removed.)"""
-    _bwd_chunk_side(q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-                    states_ptr, zs_ptr, dstates_ptr, dzs_ptr, dx_ptr, dv_ptr, dl_ptr,
-                    chunks_ptr, T, H, G, D, M, DV, NT, NV,
-                    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-                    BT, BD, BM, BV, NORM, PREC, SIDE, VARLEN, SPLIT, BDX)
-
-
-@triton.jit
-def _bwd_chunk_side(
-    q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
-    states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
-    dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
-    T, H, G, D, M, DV, NT, NV,
-    sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr,
-    SPLIT: tl.constexpr, BDX: tl.constexpr,
-):
-    """One side of ``asa_bwd_chunk_kernel`` for the program's chunk (see there)."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
