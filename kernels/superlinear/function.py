@@ -301,6 +301,8 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     dk = torch.zeros(B, T, H_kv, D, dtype=torch.float32, device=dev)
     dv = torch.zeros_like(dk)
     no_coef = lse  # any float32 tensor: not read without HAS_COEF
+    coef_arg = no_coef if coef is None else coef
+    win_coef_arg = no_coef if win_coef is None else win_coef
     # the key-centric kernels' fp32 tiles (a test dtype) overflow shared memory at Triton's
     # default 3 stages: the window's needs 263,680 B with its coefficient (H100: 232,448 B),
     # 197,376 B at 2 (local sm_90 compile); the span's sorted form 231,424 B
@@ -308,7 +310,7 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
 
     dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
     span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-        q, k, v, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta, dq_pairs,
+        q, k, v, order, lo_f, hi_f, up, coef_arg, lse, delta, dq_pairs,
         dk, dv, T, P, H, H // H_kv, D, scale, *strides, *up_strides,
         TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
         PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None,
@@ -316,7 +318,7 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     if options["span_dkdv"]:
         first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.kv_m, cfg.span_kv_n)
         n_kb = first.shape[1]
-        pairs = (q, order, lo_f, hi_f, up, no_coef if coef is None else coef, lse, delta)
+        pairs = (q, order, lo_f, hi_f, up, coef_arg, lse, delta)
         if options["sorted_pairs"]:  # the pairs' rows in the sorted order (see the kernel)
             pairs = _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg)
         span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
@@ -329,7 +331,6 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
     if window > 0:
         dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
         key_centric = options["window_dkdv"]
-        win_coef_arg = no_coef if win_coef is None else win_coef
         window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
             q, k, v, win_up, win_coef_arg, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D,
             window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -418,12 +419,10 @@ class SuperlinearMixFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict):
-        B, T, H, D = q.shape
-        topk = lo.shape[-1]
+        gate = gate.float().contiguous()  # the layout of the mixture kernels (fwd and bwd)
         a, order, lo_f, hi_f, lse, lse_w, out = _attend_and_mix(q, k, v, gate, lo, hi, window,
                                                                 cfg, options)
-        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse.contiguous(), lse_w,
-                              gate.float().contiguous())
+        ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w, gate)
         ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return out
 
@@ -460,7 +459,7 @@ def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, optio
     a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
         q, k, v, lo, hi, window, cfg, start=start,
         merge="span" if options["fused_merge"] else "torch")
-    gate = gate.float().contiguous()
+    gate = gate.float().contiguous()  # no copy when the caller passed it so
     B, T, H, topk = gate.shape
     D = a.shape[-1]
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=a.device)
