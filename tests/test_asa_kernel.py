@@ -256,30 +256,49 @@ def test_launch_option_r_kernel(shape, monkeypatch):
     assert calls == {"_linear_r": 1}
 
 
-# the split gradient kernel (cfg bwd_split): every normalisation, GQA, packed, several Dv blocks
-# (BV_bwd = 16 < Dv = 24) and dx in column blocks narrower than D (BDX = 16 < D = 32)
-@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
-def test_launch_option_bwd_split(normalize, monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true, "BV_bwd": 16, "BDX": 16}')
-    calls = {"split": 0}
-    kernel = KERNEL.function.asa_bwd_chunk_kernel
+# row blocks (cfg bwd_rows, out_rows): gradient and output programs of RB rows that meet the
+# rest of their chunk in RB x RB tiles — 1, 2 or 4 blocks per chunk (BT 64 or 128), one or
+# two Dv blocks (Dv = 24 in blocks of 16), every normalisation, packed sequences,
+# initial/final states. (The interpreter's default is two blocks: every other test too.)
+ROW_BLOCKS = [('{"bwd_rows": 64, "out_rows": 64}', n) for n in ASA_NORMALIZE_MODES] + [
+    ('{"bwd_rows": 16, "BV_bwd": 16, "out_rows": 16, "BV_out": 16}', "linear"),
+    ('{"BT": 128, "bwd_rows": 32, "out_rows": 64}', "mean")]
 
-    class Counted:  # counts launches (kernel[grid](...)) of the gradient kernel with SPLIT
+
+@pytest.mark.parametrize("launch,normalize", ROW_BLOCKS)
+def test_launch_option_row_blocks(launch, normalize, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    cfg = json.loads(launch)
+    blocks = {"bwd": 0, "out": 0}
+    function = KERNEL.function
+
+    class Recorded:  # the programs per chunk of each gradient / output launch
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                calls["split"] += bool(kwargs["SPLIT"])
-                return kernel[grid](*args, **kwargs)
+                blocks[self.name] = kwargs["BT"] // kwargs["RB"]
+                return self.kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(KERNEL.function, "asa_bwd_chunk_kernel", Counted())
+    monkeypatch.setattr(function, "asa_bwd_block_kernel",
+                        Recorded("bwd", function.asa_bwd_block_kernel))
+    monkeypatch.setattr(function, "asa_fwd_out_kernel", Recorded("out", function.asa_fwd_out_kernel))
     _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
-    assert calls["split"] == 2  # query side and key side
+    bt = cfg.get("BT", 64)
+    assert blocks == {"bwd": bt // cfg["bwd_rows"], "out": bt // cfg["out_rows"]}
+    assert len(set(blocks.values()) | {2}) > 1  # not the interpreter's default
     _compare_packed(normalize, torch.float32)
+    _check_prefill_decode(normalize)
 
 
-def test_launch_option_bwd_split_half(monkeypatch):
-    monkeypatch.setenv(LAUNCH_ENV, '{"bwd_split": true}')
-    _compare((1, 130, 2, 1, 16, 16, 16), "linear", torch.float16)
+@pytest.mark.parametrize("option", ["bwd_rows", "out_rows"])
+@pytest.mark.parametrize("rows", [48, 8])
+def test_launch_rejects_bad_row_blocks(option, rows, monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps({option: rows}))
+    with pytest.raises(ValueError, match=f"{option}={rows}.*power of two"):
+        KERNEL.function._launch(32, 16, 32, torch.float32)
 
 
 # chunking: 128-token chunks (the compiled default), prefix sums over 1, 2 or 4 chunks per step
@@ -382,10 +401,11 @@ def test_kernel_packed_sequences_gpu(dtype):
                                   "bt128-long-fp16", "dlhalf-gqa-bf16", "dlhalf-long-fp16",
                                   "stateshalf-gqa-bf16", "stateshalf-long-fp16",
                                   "deltashalf-long-fp16",
-                                  "split-gqa-bf16", "split-long-fp16"])
+                                  "rows32-gqa-bf16", "rows128-long-fp16"])
 def test_launch_options_gpu(case, monkeypatch):
     """The options compiled (the A/B candidates of tools/bench_ops.py); bt128: with 128-token
-    chunks as well (half the chunk states and scan steps)."""
+    chunks as well (half the chunk states and scan steps); rows32 / rows128: programs of 32
+    rows, or whole 128-token chunks, in the gradient and output kernels."""
     launch = json.loads(ALL_OPTIONS)
     if case.startswith("bt128"):
         launch["BT"] = 128
@@ -395,8 +415,9 @@ def test_launch_options_gpu(case, monkeypatch):
         launch["states_half"] = True
     if case.startswith("deltashalf"):
         launch["deltas_half"] = True
-    if case.startswith("split"):
-        launch["bwd_split"] = True
+    if case.startswith("rows"):  # 128-token chunks in 4 blocks of rows, or in one
+        rows = int(case.split("-")[0][4:])
+        launch.update(BT=128, bwd_rows=rows, out_rows=rows)
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(launch))
     if case.endswith("long-fp16"):
         _compare(GPU_SHAPES["long"], "linear", torch.float16)

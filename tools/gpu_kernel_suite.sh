@@ -35,6 +35,7 @@ mkdir -p "$LOGS"
 export TRITON_CACHE_DIR=$R/.tcache PYTHONUNBUFFERED=1
 mkdir -p "$TRITON_CACHE_DIR"
 if compgen -G ".tcache.tgz.a*" > /dev/null; then cat .tcache.tgz.a* | tar -xz; fi
+CALL_START=$(mktemp) && sleep 1  # entries newer than this file were compiled by this call
 BENCH="python3 $R/tools/bench_ops.py"
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
 
@@ -244,5 +245,7 @@ for stage in "$@"; do
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
+# TCACHE_NEW_ONLY=1: hand back only what this call compiled (a call returns ~60 MB at most)
+if [ -n "${TCACHE_NEW_ONLY:-}" ]; then find .tcache -type f ! -newer "$CALL_START" -delete; fi
 tar -cz .tcache | split -b 15M - "$OUT/tcache.tgz."
 ls -la "$OUT"

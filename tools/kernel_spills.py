@@ -1,12 +1,12 @@
-"""Registers and spills of ASA's gradient kernels, compiled here for sm_90 without a GPU.
+"""Registers and spills of ASA's gradient kernel (both sides), compiled for sm_90 without a GPU.
 
 Triton compiles for a named target on any machine; its bundled ptxas then reports each kernel's
 registers and spill bytes per thread (``ptxas -v``). That is how the launch configurations of
 ``kernels/asa/function.py`` can be compared for register pressure between GPU sessions. The
 local Triton may differ from the device's (3.9 here, 3.6 there): read the numbers as relative.
 
-    python tools/kernel_spills.py                       # BT 128 and 64, both sides, both kernels
-    python tools/kernel_spills.py --bt 128 --bv 64 --warps 8
+    python tools/kernel_spills.py                 # BT 128/64, 64/32 rows, BV 128/64, 4/8 warps
+    python tools/kernel_spills.py --bt 128 --rows 64 --bv 128 --warps 4   # the GPU default
 """
 
 from __future__ import annotations
@@ -45,18 +45,14 @@ def ptxas() -> str:
     raise SystemExit(f"no ptxas under {bin_dir}")
 
 
-def spills(side: int, bt: int, bv: int, warps: int, dtype: str, split: bool) -> str:
-    """'<registers> regs, <bytes> B spilled' of one specialisation of ``asa_bwd_chunk_kernel``
-    (m = 64, d_h = d_v = 128; split: cfg bwd_split with dx in 64-column blocks)."""
+def _ptxas_report(kernel, consts: dict, dtype: str, warps: int) -> str:
+    """'<registers> regs, <bytes> B spilled, <bytes> B shared' of one specialisation."""
     elt = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     types = [elt] * 6 + ["*fp32"] * 6 + [elt] * 3 + ["*i32"]
     sig = dict(zip(POINTERS, types))
-    sig.update({name: "i32" for name in INTS})
-    consts = dict(BT=bt, BD=128, BM=64, BV=bv, NORM=0, PREC="tf32", SIDE=side, VARLEN=False,
-                  SPLIT=split, BDX=64 if split else 128)
+    sig.update({name: "i32" for name in INTS if name not in consts})
     sig.update({name: "constexpr" for name in consts})
-    compiled = triton.compile(ASTSource(fn=chunk.asa_bwd_chunk_kernel, signature=sig,
-                                        constexprs=consts),
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps, "num_stages": 1})
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -68,25 +64,35 @@ def spills(side: int, bt: int, bv: int, warps: int, dtype: str, split: bool) -> 
     spill = re.search(r"(\d+) bytes spill stores", out.stderr)
     if not regs:
         return "ptxas failed: " + out.stderr.strip()[-300:]
-    return f"{regs.group(1)} regs, {spill.group(1) if spill else 0} B spilled"
+    return (f"{regs.group(1)} regs, {spill.group(1) if spill else 0} B spilled, "
+            f"{compiled.metadata.shared} B shared")
+
+
+def block_spills(side: int, bt: int, rows: int, bv: int, warps: int, dtype: str) -> str:
+    """``asa_bwd_block_kernel`` (cfg bwd_rows = rows; m = 64, d_h = d_v = 128)."""
+    consts = dict(BT=bt, RB=rows, BD=128, BM=64, BV=bv, NV=-(-128 // bv), NORM=0, PREC="tf32",
+                  SIDE=side, VARLEN=False)
+    return _ptxas_report(chunk.asa_bwd_block_kernel, consts, dtype, warps)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bt", default="128,64", help="comma list of chunk sizes (BT)")
+    p.add_argument("--rows", default="64,32", help="comma list of rows per program (bwd_rows)")
     p.add_argument("--bv", default="128,64", help="comma list of Dv blocks (BV_bwd)")
-    p.add_argument("--warps", default="8", help="comma list of warps per program")
+    p.add_argument("--warps", default="4,8", help="comma list of warps per program")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     args = p.parse_args(argv)
     for bt in map(int, args.bt.split(",")):
-        for bv in map(int, args.bv.split(",")):
-            for warps in map(int, args.warps.split(",")):
-                for side in (0, 1):
-                    one = spills(side, bt, bv, warps, args.dtype, split=False)
-                    split = spills(side, bt, bv, warps, args.dtype, split=True)
-                    name = "query" if side == 0 else "key"
-                    print(f"BT {bt:3d} BV {bv:3d} warps {warps:2d} {name:5s} side: one-pass "
-                          f"{one}; split {split}", flush=True)
+        for rows in (r for r in map(int, args.rows.split(",")) if r <= bt):
+            for bv in map(int, args.bv.split(",")):
+                for warps in map(int, args.warps.split(",")):
+                    for side in (0, 1):
+                        name = "query" if side == 0 else "key"
+                        print(f"BT {bt:3d} rows {rows:3d} BV {bv:3d} warps {warps:2d} "
+                              f"{name:5s} side: "
+                              f"{block_spills(side, bt, rows, bv, warps, args.dtype)}",
+                              flush=True)
     return 0
 
 

@@ -12,8 +12,9 @@ to HBM)::
 
 The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default; the S
 and z sums in one launch with cfg ``fused_scan``, on by default), or as one fused loop over
-chunks per head (``scan="sequential"``); the output and gradient kernels are parallel over chunks.
-Backward, per chunk:
+chunks per head (``scan="sequential"``); the output and gradient kernels are parallel over
+blocks of RB rows of a chunk (cfg ``out_rows``, ``bwd_rows``), each block meeting the earlier
+(or later) blocks of its chunk in RB × RB tiles. Backward, per chunk:
                           dA = tril(g vᵀ + r 1ᵀ)
                           dq' = dA k' + g S_cᵀ + r z_cᵀ        dk' = dAᵀ q' + v dS_cᵀ + 1 dz_cᵀ
                           dv  = tril(q' k'ᵀ)ᵀ g + k' dS_c
@@ -143,39 +144,56 @@ def asa_fwd_out_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, states_ptr, zs_ptr, seen_ptr, o_ptr, den_ptr,
     chunks_ptr, T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """grid (NT, cdiv(Dv, BV), B*H): one chunk's output. NORM: 0 linear, 1 none, 2 mean.
+    """grid (NT · BT/RB, cdiv(Dv, BV), B*H): the output of one block of RB rows of a chunk
+    (RB = BT: the whole chunk; cfg out_rows), meeting the chunk's keys up to its own block in
+    RB × RB tiles. NORM: 0 linear, 1 none, 2 mean.
     o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1, i counted from
     the start of the token's sequence)."""
-    c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NB: tl.constexpr = BT // RB
+    c, own = pid // NB, pid % NB
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
     dt = q_ptr.dtype.element_ty
     t0, t_stop, seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
-    rows = t0 + tl.arange(0, BT)
+    r0 = t0 + own * RB
+    rows = r0 + tl.arange(0, RB)
     row_mask = rows < t_stop
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    qc = _load_rows(q_ptr + b * sqb + h * sqh, t0, t_stop, sqt, d_cols, D, BT).to(dt)
-    kc = _load_rows(k_ptr + b * skb + hk * skh, t0, t_stop, skt, d_cols, D, BT).to(dt)
-    vc = _load_rows(v_ptr + b * svb + hk * svh, t0, t_stop, svt, v_cols, DV, BT).to(dt)
-    qf = _softmax_features(qc, _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
-    kf = _softmax_features(kc, _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
-    causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
-    A = tl.where(causal, tl.dot(qf.to(dt), tl.trans(kf.to(dt)), input_precision=PREC), 0.0)
+    qc = _load_rows(q_ptr + b * sqb + h * sqh, r0, t_stop, sqt, d_cols, D, RB).to(dt)
+    qf32 = _softmax_features(qc, _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
+                             PREC)
+    qf = qf32.to(dt)
     st = pid_bh * NT + c
     sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
     S = tl.load(states_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :], mask=sv_mask,
                 other=0.0)
-    num = tl.dot(A.to(dt), vc, input_precision=PREC)
-    num += tl.dot(qf.to(dt), S.to(dt), input_precision=PREC)
+    num = tl.dot(qf, S.to(dt), input_precision=PREC)
     if NORM == 0:
         z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-        den = tl.sum(A, axis=1) + tl.sum(qf * z[None, :], axis=1)
+        den = tl.sum(qf32 * z[None, :], axis=1)
+    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    diag = tl.arange(0, RB)[:, None] >= tl.arange(0, RB)[None, :]
+    # unrolled, so that a whole-chunk program (NB = 1) is straight-line code: as a one-trip
+    # runtime loop it took 1028 µs instead of 651 at 64K (H100, BT = 128, 2026-11-22)
+    for kb in tl.static_range(NB):
+        if kb <= own:
+            k0 = t0 + kb * RB
+            key_mask = (k0 + tl.arange(0, RB)) < t_stop
+            kc = _load_rows(k_ptr + b * skb + hk * skh, k0, t_stop, skt, d_cols, D, RB).to(dt)
+            vc = _load_rows(v_ptr + b * svb + hk * svh, k0, t_stop, svt, v_cols, DV, RB).to(dt)
+            kf = _softmax_features(kc, p_k, feat_mask, key_mask, PREC).to(dt)
+            A = tl.where(diag | (kb < own), tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0)
+            num += tl.dot(A.to(dt), vc, input_precision=PREC)
+            if NORM == 0:
+                den += tl.sum(A, axis=1)
+    if NORM == 0:
         # > 0 by construction; the clamp only turns an fp32 underflow 0/0 into 0
         den = tl.maximum(den, 1.1754943508222875e-38)
         num = num / den[:, None]
@@ -183,7 +201,7 @@ def asa_fwd_out_kernel(
         den = tl.load(seen_ptr + pid_bh) + (rows - seq_start + 1).to(tl.float32)
         num = num / den[:, None]
     else:
-        den = tl.full([BT], 1.0, tl.float32)
+        den = tl.full([RB], 1.0, tl.float32)
     o_rows = (b * T + rows) * H + h
     tl.store(o_ptr + o_rows[:, None] * DV + v_cols[None, :], num.to(o_ptr.dtype.element_ty),
              mask=row_mask[:, None] & (v_cols[None, :] < DV))
@@ -395,22 +413,12 @@ def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
 
 
 @triton.jit
-def _chunk_features(x_base, x_stride, p_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
-                    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
-    """softmax(x P) of one chunk's rows, in the inputs' dtype (the gradient kernel's operand)."""
-    dt = x_base.dtype.element_ty
-    x = _load_rows(x_base, t0, t_stop, x_stride, tl.arange(0, BD), D, BT).to(dt)
-    return _softmax_features(x, _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                             PREC).to(dt)
-
-
-@triton.jit
 def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
                         D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
-                        BM: tl.constexpr, BDX: tl.constexpr, PREC: tl.constexpr):
+                        BM: tl.constexpr, PREC: tl.constexpr):
     """The softmax backward of one side and its stores: dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32
-    features (recomputed), then dx = dℓ Pᵀ — in one [BT, BD] tile (BDX = BD), or BDX columns at
-    a time (fewer live registers: cfg ``bwd_split``)."""
+    features (recomputed here rather than kept live through the gradient loops), then
+    dx = dℓ Pᵀ."""
     dt = x_base.dtype.element_ty
     d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
@@ -420,161 +428,182 @@ def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, d
     dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
     tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
              mask=row_mask[:, None] & feat_mask[None, :])
-    if BDX == BD:
-        dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
-        tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
-    else:
-        dl = dl.to(dt)
-        for d0 in tl.static_range(0, BD, BDX):
-            d_blk = d0 + tl.arange(0, BDX)
-            p_blk = tl.load(p_ptr + h * D * M + d_blk[:, None] * M + m_idx[None, :],
-                            mask=(d_blk[:, None] < D) & feat_mask[None, :], other=0.0).to(dt)
-            dx = tl.dot(dl, tl.trans(p_blk), input_precision=PREC)
-            tl.store(dx_ptr + o_rows[:, None] * D + d_blk[None, :],
-                     dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_blk[None, :] < D))
+    dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
+    tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
+             dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
 
 
 @triton.jit
-def asa_bwd_chunk_kernel(
+def _scaled_grad(do_ptr, o_rows, row_mask, den, v_cols, DV, like_ptr, NORM: tl.constexpr):
+    """g = dO / den of a block of rows (dO itself without a denominator), as a matmul operand
+    in ``like_ptr``'s dtype."""
+    g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                mask=row_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(tl.float32)
+    if NORM != 1:
+        g = g / den[:, None]
+    return g.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
+def asa_bwd_block_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, do_ptr, den_ptr, r_ptr,
     states_ptr, zs_ptr, dstates_ptr, dzs_ptr,
     dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
-    T, H, G, D, M, DV, NT, NV,
+    T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr, VARLEN: tl.constexpr,
-    SPLIT: tl.constexpr, BDX: tl.constexpr,
+    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    NV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
-    """grid (NT, B*H): one chunk's gradients, in two launches (fewer live registers each):
+    """grid (NT · BT/RB, B*H): the gradients of one block of RB rows of a chunk (cfg bwd_rows),
+    in two launches (fewer live registers each). The block meets the rest of its chunk in
+    RB × RB tiles, as flash attention's backward meets keys: the earlier blocks (query side) or
+    the later ones (key side) as full tiles, its own block as the causal diagonal tile; the
+    chunk states stay per BT-token chunk.
 
-    * ``SIDE == 0`` (query side): dq' = dA k' + g Sᵀ + r zᵀ  ->  dℓ_q -> dq ``[B, T, H, D]``;
-    * ``SIDE == 1`` (key side):   dk' = dAᵀ q' + v dSᵀ + dz,  dv = Aᵀ g + k' dS  ->  dℓ_k -> dk,
-      dv per *query* head ``[B, T, H, D(v)]`` (the caller sums GQA groups).
+    * ``SIDE == 0`` (rows = queries i): dq' = Σ_{key blocks ≤ own} tril(g vᵀ + r 1ᵀ) k'
+      + g Sᵀ + r zᵀ  ->  dℓ_q -> dq ``[B, T, H, D]``;
+    * ``SIDE == 1`` (rows = keys j): dk' = Σ_{query blocks ≥ own} tril(g vᵀ + r 1ᵀ)ᵀ q'
+      + v dSᵀ + dz and dv = Σ tril(q' k'ᵀ)ᵀ g + k' dS  ->  dℓ_k -> dk, dv per *query* head
+      ``[B, T, H, D(v)]`` (the caller sums GQA groups).
 
-    dℓ (``dl``, ``[B, T, H, M]`` fp32) is kept for dP. Both sides rebuild dA = tril(g vᵀ + r 1ᵀ),
-    one BT x BT x Dv matmul. The fp32 features of the softmax backward are recomputed at the end
-    rather than kept live across the loop over Dv blocks.
+    dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV columns; with
+    NV = 1 the key side reads each query block once for both dA and dv, otherwise dv takes a
+    pass of its own per Dv block.
 
-    ``SPLIT`` (cfg ``bwd_split``): fewer live registers — no feature tile is live while dA is
-    built (they are made after it), the key side makes Aᵀ and dv in a second pass over the Dv
-    blocks (reading dO and dS again, so dA and Aᵀ are never live together), and dx is written
-    BDX columns at a time. Spills per thread in a local sm_90 compile (Triton 3.9, ptxas -v;
-    ``python tools/kernel_spills.py --bt 128 --bv 64``), BT = 128, 8 warps: query side 1376 →
-    652 bytes; key side 3212 → 3944 (worse: its pressure is elsewhere, not yet found).
-
-    (A program running both sides one after the other, so the key side would read the
-    chunk's inputs from L2, measured slower on the H100: 16K 1.109 → 1.198 ms, 64K 4.095 →
-    4.472 ms fwd+bwd, CUDA graph, 2026-11-22; removed.)"""
-    c, pid_bh = tl.program_id(0), tl.program_id(1)
+    Why blocks of a chunk: a whole 128-token chunk per program held [128, ·] fp32
+    accumulators at 255 registers and spilled 1.7 KB (query side) and 5.1 KB (key side) per
+    thread (local sm_90 compile, ``tools/kernel_spills.py``); RB = 64 at 4 warps spills 0.4 and
+    3.1 KB, and the gradient step took 1864 µs instead of 2116 at T = 64K (H100, B = 1, H = 16,
+    d_h = 128, m = 64, bf16, 2026-11-22; 8 warps or RB = 32 were slower)."""
+    pid, pid_bh = tl.program_id(0), tl.program_id(1)
+    NB: tl.constexpr = BT // RB
+    c, own = pid // NB, pid % NB
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
     dt = q_ptr.dtype.element_ty
     t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
-    rows = t0 + tl.arange(0, BT)
+    r0 = t0 + own * RB
+    rows = r0 + tl.arange(0, RB)
     row_mask = rows < t_stop
     m_idx = tl.arange(0, BM)
     feat_mask = m_idx < M
+    d_cols = tl.arange(0, BD)
     q_base = q_ptr + b * sqb + h * sqh
     k_base = k_ptr + b * skb + hk * skh
-    if not SPLIT:
-        qf = _chunk_features(q_base, sqt, pq_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
-                             BT, BD, BM, PREC)
-        kf = _chunk_features(k_base, skt, pk_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
-                             BT, BD, BM, PREC)
-    # the key side works with transposed tiles (row = key j, column = query i), so that no
-    # register tile needs transposing: mask i >= j either way
-    if SIDE == 0:
-        causal = tl.arange(0, BT)[:, None] >= tl.arange(0, BT)[None, :]
-    else:
-        causal = tl.arange(0, BT)[None, :] >= tl.arange(0, BT)[:, None]
-        if not SPLIT:
-            A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
-    st = pid_bh * NT + c
-    if NORM != 1:
-        den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
-    if NORM == 0:
-        r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
-        if SIDE == 0:
-            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[:, None]
-            z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-            dfeat = r[:, None] * z[None, :]
-        else:
-            dA = tl.zeros([BT, BT], dtype=tl.float32) + r[None, :]  # transposed: dAᵀ
-            dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
-            dfeat = tl.zeros([BT, BM], dtype=tl.float32) + dz[None, :]
-    else:
-        dA = tl.zeros([BT, BT], dtype=tl.float32)
-        dfeat = tl.zeros([BT, BM], dtype=tl.float32)
-    o_rows = (b * T + rows) * H + h
     v_base = v_ptr + b * svb + hk * svh
-    for vb in range(0, NV):
-        v_cols = vb * BV + tl.arange(0, BV)
-        vmask = row_mask[:, None] & (v_cols[None, :] < DV)
-        sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
-        s_off = st * M * DV + m_idx[:, None] * DV + v_cols[None, :]
-        vc = _load_rows(v_base, t0, t_stop, svt, v_cols, DV, BT).to(dt)
-        g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
-                    other=0.0).to(tl.float32)
-        if NORM != 1:
-            g = g / den[:, None]
-        g = g.to(dt)
-        if SIDE == 0:
-            dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
-            S = tl.load(states_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
-            dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
-        else:
-            dA += tl.dot(vc, tl.trans(g), input_precision=PREC)
-            dS = tl.load(dstates_ptr + s_off, mask=sv_mask, other=0.0).to(dt)
-            dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
-            if not SPLIT:
-                dv = tl.dot(A_t, g, input_precision=PREC)
-                dv += tl.dot(kf, dS, input_precision=PREC)
-                tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
-                         dv.to(dv_ptr.dtype.element_ty), mask=vmask)
-    dA = tl.where(causal, dA, 0.0).to(dt)
-    if SPLIT:  # the features only now: none was live while dA was built
-        qf = _chunk_features(q_base, sqt, pq_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
-                             BT, BD, BM, PREC)
-        kf = _chunk_features(k_base, skt, pk_ptr, h, t0, t_stop, D, M, feat_mask, row_mask,
-                             BT, BD, BM, PREC)
+    o_rows = (b * T + rows) * H + h
+    st = pid_bh * NT + c
+    ones = tl.full([RB], 1.0, tl.float32)
+    # the diagonal tile's causal mask, in tile coordinates (row, column)
     if SIDE == 0:
-        dfeat += tl.dot(dA, kf, input_precision=PREC)
+        diag = tl.arange(0, RB)[:, None] >= tl.arange(0, RB)[None, :]  # query i ≥ key j
+    else:
+        diag = tl.arange(0, RB)[None, :] >= tl.arange(0, RB)[:, None]  # rows are keys j
+    if SIDE == 0:
+        den = ones
+        if NORM != 1:
+            den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+        dfeat = tl.zeros([RB, BM], dtype=tl.float32)
+        if NORM == 0:
+            r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
+            z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+            dfeat += r[:, None] * z[None, :]
+        for vb in tl.static_range(NV):
+            v_cols = vb * BV + tl.arange(0, BV)
+            S = tl.load(states_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :],
+                        mask=feat_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(dt)
+            g = _scaled_grad(do_ptr, o_rows, row_mask, den, v_cols, DV, q_ptr, NORM)
+            dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
+        p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+        for kb in range(0, own + 1):
+            k0 = t0 + kb * RB
+            key_mask = (k0 + tl.arange(0, RB)) < t_stop
+            dA = tl.zeros([RB, RB], dtype=tl.float32)
+            if NORM == 0:
+                dA += r[:, None]
+            for vb in tl.static_range(NV):
+                v_cols = vb * BV + tl.arange(0, BV)
+                if NV > 1:  # else g is still the one block's, from the states' term
+                    g = _scaled_grad(do_ptr, o_rows, row_mask, den, v_cols, DV, q_ptr, NORM)
+                vc = _load_rows(v_base, k0, t_stop, svt, v_cols, DV, RB).to(dt)
+                dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
+            dA = tl.where(diag | (kb < own), dA, 0.0).to(dt)
+            kf = _softmax_features(_load_rows(k_base, k0, t_stop, skt, d_cols, D, RB).to(dt),
+                                   p_k, feat_mask, key_mask, PREC).to(dt)
+            dfeat += tl.dot(dA, kf, input_precision=PREC)
         x_base, x_stride, p_ptr = q_base, sqt, pq_ptr
     else:
-        dfeat += tl.dot(dA, qf, input_precision=PREC)
-        x_base, x_stride, p_ptr = k_base, skt, pk_ptr
-        if SPLIT:  # second pass: dv = Aᵀ g + k' dS, dO and dS read again
-            A_t = tl.where(causal, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
-            for vb in range(0, NV):
-                v_cols = vb * BV + tl.arange(0, BV)
-                vmask = row_mask[:, None] & (v_cols[None, :] < DV)
-                sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
-                g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :], mask=vmask,
-                            other=0.0).to(tl.float32)
-                if NORM != 1:
-                    g = g / den[:, None]
-                dS = tl.load(dstates_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :],
-                             mask=sv_mask, other=0.0).to(dt)
-                dv = tl.dot(A_t, g.to(dt), input_precision=PREC)
-                dv += tl.dot(kf, dS, input_precision=PREC)
+        p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
+        kf = _softmax_features(_load_rows(k_base, r0, t_stop, skt, d_cols, D, RB).to(dt),
+                               _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
+                               PREC).to(dt)
+        dfeat = tl.zeros([RB, BM], dtype=tl.float32)
+        if NORM == 0:
+            dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
+            dfeat += dz[None, :]
+        # the chunk's later states: dk' += v dSᵀ, dv = k' dS (+ the tiles below)
+        for vb in tl.static_range(NV):
+            v_cols = vb * BV + tl.arange(0, BV)
+            dS = tl.load(dstates_ptr + st * M * DV + m_idx[:, None] * DV + v_cols[None, :],
+                         mask=feat_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(dt)
+            vc = _load_rows(v_base, r0, t_stop, svt, v_cols, DV, RB).to(dt)
+            dfeat += tl.dot(vc, tl.trans(dS), input_precision=PREC)
+            if NV > 1:  # dv of this Dv block in its own pass over the query blocks
+                dv = tl.dot(kf, dS, input_precision=PREC)
+                for qb in range(own, NB):
+                    i0 = t0 + qb * RB
+                    q_mask = (i0 + tl.arange(0, RB)) < t_stop
+                    qf = _softmax_features(_load_rows(q_base, i0, t_stop, sqt, d_cols, D,
+                                                      RB).to(dt), p_q, feat_mask, q_mask,
+                                           PREC).to(dt)
+                    A_t = tl.where(diag | (qb > own),
+                                   tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
+                    den_q = ones
+                    if NORM != 1:
+                        den_q = tl.load(den_ptr + pid_bh * T + i0 + tl.arange(0, RB),
+                                        mask=q_mask, other=1.0)
+                    g = _scaled_grad(do_ptr, (b * T + i0 + tl.arange(0, RB)) * H + h, q_mask,
+                                     den_q, v_cols, DV, q_ptr, NORM)
+                    dv += tl.dot(A_t, g, input_precision=PREC)
                 tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
-                         dv.to(dv_ptr.dtype.element_ty), mask=vmask)
-    if SPLIT:
-        _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr,
-                            dx_ptr, D, M, feat_mask, row_mask, BT, BD, BM, BDX, PREC)
-    else:
-        # softmax backward dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32 features (recomputed)
-        d_cols = tl.arange(0, BD)
-        p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
-        f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt),
-                                p, feat_mask, row_mask, PREC)
-        dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
-        tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & feat_mask[None, :])
-        dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
-        tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
+                         dv.to(dv_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & (v_cols[None, :] < DV))
+            else:
+                dv = tl.dot(kf, dS, input_precision=PREC)
+        for qb in range(own, NB):
+            i0 = t0 + qb * RB
+            q_rows = i0 + tl.arange(0, RB)
+            q_mask = q_rows < t_stop
+            qf = _softmax_features(_load_rows(q_base, i0, t_stop, sqt, d_cols, D, RB).to(dt),
+                                   p_q, feat_mask, q_mask, PREC).to(dt)
+            den_q = ones
+            if NORM != 1:
+                den_q = tl.load(den_ptr + pid_bh * T + q_rows, mask=q_mask, other=1.0)
+            dA_t = tl.zeros([RB, RB], dtype=tl.float32)  # transposed: rows keys, columns queries
+            if NORM == 0:
+                dA_t += tl.load(r_ptr + pid_bh * T + q_rows, mask=q_mask, other=0.0)[None, :]
+            for vb in tl.static_range(NV):
+                v_cols = vb * BV + tl.arange(0, BV)
+                g = _scaled_grad(do_ptr, (b * T + q_rows) * H + h, q_mask, den_q, v_cols, DV,
+                                 q_ptr, NORM)
+                if NV > 1:  # else vc is still the one block's, from the states' term
+                    vc = _load_rows(v_base, r0, t_stop, svt, v_cols, DV, RB).to(dt)
+                dA_t += tl.dot(vc, tl.trans(g), input_precision=PREC)
+                if NV == 1:
+                    A_t = tl.where(diag | (qb > own),
+                                   tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
+                    dv += tl.dot(A_t, g, input_precision=PREC)
+            dA_t = tl.where(diag | (qb > own), dA_t, 0.0).to(dt)
+            dfeat += tl.dot(dA_t, qf, input_precision=PREC)
+        if NV == 1:
+            v_cols = tl.arange(0, BV)
+            tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
+                     dv.to(dv_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (v_cols[None, :] < DV))
+        x_base, x_stride, p_ptr = k_base, skt, pk_ptr
+    _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, r0, t_stop, o_rows, dl_ptr, dx_ptr,
+                        D, M, feat_mask, row_mask, RB, BD, BM, PREC)
 
 
 @triton.jit

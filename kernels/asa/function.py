@@ -22,7 +22,7 @@ from megatron_subq.ops.dispatch import triton_interpreting
 from ..common import check_int32_offsets
 
 from .chunk import (
-    asa_bwd_chunk_kernel,
+    asa_bwd_block_kernel,
     asa_bwd_dp_kernel,
     asa_bwd_r_kernel,
     asa_bwd_states_kernel,
@@ -80,11 +80,16 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     (the scan sums them in fp32). At T = 64K they are 268 MB per pass in fp32, written and read
     in the forward and again in the backward — ≈ 1 GB of the step's traffic.
 
-    bwd_split (off: measured slower): the gradient kernel with fewer live registers
-    (``asa_bwd_chunk_kernel``'s SPLIT); at BT = 128 the one-pass kernel spills 1.4–1.7 KB
-    (query side) and 3–5 KB (key side) per thread in a local sm_90 compile (Triton 3.9's ptxas
-    -v), the split one halves the query side's at BV_bwd = 64 (see its docstring). On the H100
-    (CUDA-graph timing, 16K) the gradient kernel took 622 µs split against 565 µs one-pass.
+    bwd_rows, out_rows: rows per program of the gradient and output kernels, a power of two
+    dividing BT (``asa_bwd_block_kernel``, ``asa_fwd_out_kernel``): the program holds [RB, ·]
+    accumulators and meets its chunk's other blocks in RB × RB tiles. 64 on the GPU: H100 A/B
+    (2026-11-22, CUDA graph, T = 64K, B = 1, H = 16, d_h = 128, m = 64, bf16): the gradient
+    kernel (whole 128-token chunks, 8 warps, spilling) 2116 → 1864 µs at 64 rows and 4 warps
+    (8 warps: 3515, 32 rows: 3743), the output kernel 651 → 572 µs; fwd+bwd 4.02 → 3.67 ms.
+    The interpreter runs 32 (two blocks of its 64-token chunks), so that CI tests the tiling.
+    (Removed after that A/B: the whole-chunk gradient kernel with its bwd_split variant, and
+    r_in_delta — r computed by the backward delta kernel, which then took as much longer
+    (514 → 693 µs) as the r kernel it saved.)
 
     The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
     boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
@@ -96,7 +101,6 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     interpreting = triton_interpreting()
     BD, BV_all = _pow2(D), _pow2(Dv)
     BM = _pow2(m, floor=16 if interpreting else 64)
-    big = max(BD, BM, BV_all) > 64
     big_tiles = max(BD, BM, BV_all) > 128 or dtype == torch.float32
     cfg = dict(
         # 128-token chunks halve the chunk states and scan steps; tiles wider than 128 (d_h or
@@ -115,16 +119,22 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         # the output kernel with 4 warps also for wide tiles: H100 A/B (2026-11-22, CUDA
         # graph, d_h 128, m 64, bf16) 16K 1.109 → 1.099 ms, 64K 4.095 → 4.014 ms fwd+bwd; the
         # 15 reference GPU tests pass under it
-        state_warps=4, out_warps=4, bwd_warps=8 if big else 4, dp_warps=4,
+        state_warps=4, out_warps=4, bwd_warps=4, dp_warps=4,
         stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024,
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
         r_kernel=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
-        bwd_split=False, BDX=64,
+        bwd_rows=32 if interpreting else 64, out_rows=32 if interpreting else 64,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         cfg.update(json.loads(overrides))
+    for name in ("bwd_rows", "out_rows"):  # rows per program, in blocks of a chunk
+        cfg[name] = min(cfg[name], cfg["BT"])  # 64-token chunks: one block
+        rows = cfg[name]
+        if rows < 16 or cfg["BT"] % rows:
+            raise ValueError(f"ASA launch config: {name}={rows}; allowed a power of two from "
+                             f"16 to BT={cfg['BT']}")
     return cfg
 
 
@@ -350,14 +360,15 @@ class ASAChunkFunction(torch.autograd.Function):
         NT = states.shape[2]
         o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        grid = (NT, triton.cdiv(Dv, cfg["BV_out"]), B * H)
+        grid = (NT * (cfg["BT"] // cfg["out_rows"]), triton.cdiv(Dv, cfg["BV_out"]), B * H)
         asa_fwd_out_kernel[grid](
             q, k, v, p_q, p_k, states, zs, den if seen is None else seen, o, den,
             chunks if chunks is not None else den,
             T, H, G, D, m, Dv, NT,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
-            BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"], NORM=norm,
+            BT=cfg["BT"], RB=cfg["out_rows"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"],
+            NORM=norm,
             PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["out_warps"],
             num_stages=cfg["stages"])
         kept = (states, zs) if cfg["keep_states"] else (None, None)
@@ -397,18 +408,17 @@ class ASAChunkFunction(torch.autograd.Function):
         dl_dtype = q.dtype if cfg["dl_half"] else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
-        split = bool(cfg["bwd_split"])  # fewer live registers; dx in BDX-column blocks
-        bdx = min(cfg["BDX"], cfg["BD"]) if split else cfg["BD"]
+        rows = cfg["bwd_rows"]
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
-            asa_bwd_chunk_kernel[(NT, B * H)](
+            asa_bwd_block_kernel[(NT * (cfg["BT"] // rows), B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
                 dx, dv_h, dl, chunks if chunks is not None else den,
-                T, H, G, D, m, Dv, NT, triton.cdiv(Dv, cfg["BV_bwd"]),
+                T, H, G, D, m, Dv, NT,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
-                BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"], NORM=norm,
-                PREC=cfg["PREC"], SIDE=side, VARLEN=chunks is not None,
-                SPLIT=split, BDX=bdx, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+                BT=cfg["BT"], RB=rows, BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"],
+                NV=triton.cdiv(Dv, cfg["BV_bwd"]), NORM=norm, PREC=cfg["PREC"], SIDE=side,
+                VARLEN=chunks is not None, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
