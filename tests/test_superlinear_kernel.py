@@ -198,15 +198,16 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
     assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
 
 
-class _MergeLaunches:
-    """Stands in for a kernel and records one keyword (MERGE) of each launch."""
+class _LaunchRecorder:
+    """Stands in for a kernel and records one keyword argument of each launch (``key``: MERGE,
+    BLOCK_N...) in ``values``, so a test sees what reached the kernel."""
 
-    def __init__(self, kernel, key="MERGE"):
-        self.kernel, self.key, self.merge = kernel, key, []
+    def __init__(self, kernel, key):
+        self.kernel, self.key, self.values = kernel, key, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.merge.append(kwargs[self.key])
+            self.values.append(kwargs[self.key])
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -220,14 +221,14 @@ class _MergeLaunches:
 def test_tiles_from_launch_options(tiles, monkeypatch):
     """LaunchConfig fields from the launch options (the A/B runs' knob) reach the kernels."""
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(tiles))
-    span = _MergeLaunches(KERNEL.function.span_fwd_kernel, "BLOCK_N")
-    dkdv = _MergeLaunches(KERNEL.function.window_bwd_dkdv_kernel, "BLOCK_N")
+    span = _LaunchRecorder(KERNEL.function.span_fwd_kernel, "BLOCK_N")
+    dkdv = _LaunchRecorder(KERNEL.function.window_bwd_dkdv_kernel, "BLOCK_N")
     monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
     monkeypatch.setattr(KERNEL.function, "window_bwd_dkdv_kernel", dkdv)
     _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32)
     _compare((2, 37, 4, 2, 8), dict(sw_index=1, forward_factor=0.5), torch.float32)
-    assert span.merge == [16, 16]
-    assert dkdv.merge == [tiles.get("window_kv_n", 16)] * 2
+    assert span.values == [16, 16]
+    assert dkdv.values == [tiles.get("window_kv_n", 16)] * 2
 
 
 # launch option fused_merge (on): the span/window log-sum-exp merge in the span kernel's
@@ -243,10 +244,10 @@ def test_fused_merge_fp32(shape, knobs, place, monkeypatch):
     """Windows, no window, queries without anchors, GQA; the merge runs where asked."""
     launch, span_merge = MERGE_PLACES[place]
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    span = _MergeLaunches(KERNEL.function.span_fwd_kernel)
+    span = _LaunchRecorder(KERNEL.function.span_fwd_kernel, "MERGE")
     monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
     _compare(shape, knobs, torch.float32)
-    assert span.merge == span_merge
+    assert span.values == span_merge
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -276,18 +277,27 @@ FUSED_MIX = {"mix": _only(fused_mix=True),
 @pytest.mark.parametrize("shape,knobs", CPU_CASES, ids=[str(c[0][1]) for c in CPU_CASES])
 def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     """Windows, no window, queries without anchors, GQA; the options are taken (one mixture
-    backward launch, no per-pair dA; one gate backward launch; two sorting launches)."""
+    backward launch, no per-pair dA; one gate backward launch; two sorting launches, whose
+    sorted lo, hi the tile ranges reuse)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
     counted = {name: _CountedLaunches(getattr(KERNEL.function, name))
                for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
     for name, stand_in in counted.items():
         monkeypatch.setattr(KERNEL.function, name, stand_in)
+    presorted = []  # span_tile_ranges' calls: with sorted_pairs, on _sorted_pairs' lo/hi
+    tile_ranges = KERNEL.function.span_tile_ranges
+
+    def recorded_tile_ranges(*args, **kwargs):
+        presorted.append(kwargs["presorted"])
+        return tile_ranges(*args, **kwargs)
+    monkeypatch.setattr(KERNEL.function, "span_tile_ranges", recorded_tile_ranges)
     _compare(shape, knobs, torch.float32)
     options = KERNEL.function.launch_options()
     assert counted["mix_bwd_kernel"].launches == int(options["fused_mix"])
     assert counted["gate_bwd_kernel"].launches == int(options["gate_kernel"])
     sorting = options["sorted_pairs"] and options["span_dkdv"]
     assert counted["sort_pairs_kernel"].launches == 2 * int(sorting)
+    assert presorted == ([options["sorted_pairs"]] if options["span_dkdv"] else [])
 
 
 @pytest.mark.parametrize("variant", ["mix", "gate", "sorted"])
@@ -308,13 +318,20 @@ def test_without_launch_options_fp32(shape, knobs, monkeypatch):
 
 
 def test_span_tile_ranges_cover_every_reaching_pair():
-    """Every pair whose span meets a key block lies in one of the block's tiles [first, end)."""
+    """Every pair whose span meets a key block lies in one of the block's tiles [first, end);
+    lo, hi handed over already in the sorted order (``presorted``: launch option sorted_pairs,
+    ``_sorted_pairs``' copies) give the same ranges as in the natural order."""
     g = torch.Generator().manual_seed(0)
     BH, P, T, bm, bn = 3, 300, 200, 16, 32
     lo = torch.randint(0, T, (BH, P), generator=g, dtype=torch.int32)
     hi = (lo + torch.randint(-5, 60, (BH, P), generator=g, dtype=torch.int32)).clamp(max=T - 1)
     order = torch.sort(lo, dim=1, stable=True).indices.to(torch.int32)
     first, end = KERNEL.function.span_tile_ranges(order, lo, hi, T, bm, bn)
+    idx = order.long()
+    first_s, end_s = KERNEL.function.span_tile_ranges(order, lo.gather(1, idx),
+                                                      hi.gather(1, idx), T, bm, bn,
+                                                      presorted=True)
+    assert torch.equal(first_s, first) and torch.equal(end_s, end)
     rank = torch.empty_like(order)  # position of each pair in the sorted order
     rank.scatter_(1, order.long(), torch.arange(P, dtype=torch.int32).expand(BH, -1).contiguous())
     for bh in range(BH):

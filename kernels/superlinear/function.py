@@ -261,9 +261,13 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     return a, order, lo_f, hi_f, lse, lse_w, o_w
 
 
-def span_tile_ranges(order, lo_f, hi_f, T: int, block_m: int, block_n: int):
+def span_tile_ranges(order, lo, hi, T: int, block_m: int, block_n: int,
+                     presorted: bool = False):
     """For ``span_bwd_dkdv_kernel``: per (b*h, key block of ``block_n``), the range [first, end)
     of pair tiles (``block_m`` consecutive pairs of the sorted ``order``) that may reach it.
+    lo, hi [B*H, P]: the pairs' span bounds in their natural order (gathered through ``order``
+    here) or, with ``presorted``, already in the sorted order (``_sorted_pairs``' copies, so
+    the launch option sorted_pairs gathers them once).
 
     The pairs are sorted by span start, so the tiles' first starts grow: the tiles starting after
     the block end form a suffix (``end``). Their span ends do not grow, but their running
@@ -272,11 +276,11 @@ def span_tile_ranges(order, lo_f, hi_f, T: int, block_m: int, block_n: int):
     Device ops only (no host sync). Returns two int32 tensors [B*H, cdiv(T, block_n)]."""
     BH, P = order.shape
     n_tiles = triton.cdiv(P, block_m)
-    idx = order.long()
-    lo_sorted = lo_f.gather(1, idx)
-    hi_sorted = torch.nn.functional.pad(hi_f.gather(1, idx), (0, n_tiles * block_m - P),
-                                        value=-1)
-    tile_lo = lo_sorted[:, ::block_m].contiguous()  # [BH, n_tiles], non-decreasing
+    if not presorted:
+        idx = order.long()
+        lo, hi = lo.gather(1, idx), hi.gather(1, idx)
+    hi_sorted = torch.nn.functional.pad(hi, (0, n_tiles * block_m - P), value=-1)
+    tile_lo = lo[:, ::block_m].contiguous()  # [BH, n_tiles], non-decreasing
     tile_hi = torch.cummax(hi_sorted.view(BH, n_tiles, block_m).amax(-1), dim=1).values
     starts = torch.arange(0, T, block_n, device=order.device, dtype=torch.int32)
     starts = starts.expand(BH, -1).contiguous()
@@ -316,11 +320,14 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
         PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None,
         num_warps=cfg.num_warps)
     if options["span_dkdv"]:
-        first, end = span_tile_ranges(order, lo_f, hi_f, T, cfg.kv_m, cfg.span_kv_n)
-        n_kb = first.shape[1]
         pairs = (q, order, lo_f, hi_f, up, coef_arg, lse, delta)
         if options["sorted_pairs"]:  # the pairs' rows in the sorted order (see the kernel)
             pairs = _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg)
+        # the kernel's LO, HI: with sorted_pairs the sorted copies, which the tile ranges reuse
+        pair_lo, pair_hi = pairs[2], pairs[3]
+        first, end = span_tile_ranges(order, pair_lo, pair_hi, T, cfg.kv_m, cfg.span_kv_n,
+                                      presorted=options["sorted_pairs"])
+        n_kb = first.shape[1]
         span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
             pairs[0], k, v, *pairs[1:], first, end, dk, dv, T, P, H, H // H_kv, D, n_kb,
             scale, *strides, *up_strides, TOPK=topk, BLOCK_M=cfg.kv_m, BLOCK_N=cfg.span_kv_n,
@@ -349,7 +356,8 @@ def _span_window_backward(saved, up, up_strides, coef, delta, win_up, win_stride
 
 def _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg: LaunchConfig):
     """The arguments (Q, ORDER, LO, HI, DA, COEF, LSE, DELTA) of ``span_bwd_dkdv_kernel`` with
-    SORTED: q's and dA's rows of every pair and the pairs' lo, hi, lse, D, in the sorted order."""
+    SORTED: q's and dA's rows of every pair and the pairs' lo, hi, lse, D, in the sorted order
+    (lo, hi also serve ``span_tile_ranges``, gathered once)."""
     B, T, H, D = q.shape
     BH, P = order.shape
     idx = order.long()

@@ -473,6 +473,21 @@ def span_bwd_dkdv_kernel(Q, K, V, ORDER, LO, HI, DA, COEF, LSE, DELTA, TILE_FIRS
 
 
 @triton.jit
+def _row_tile(T, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Prologue shared by the per-row kernels (grid (cdiv(T, BLOCK_M), B*H)), written once."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < T
+    d_mask = offs_d < D
+    md_mask = m_mask[:, None] & d_mask[None, :]
+    row = pid_bh * T + offs_m  # the rows' index into [B*H, T, ...] tensors
+    return b, h, offs_m, m_mask, offs_d, d_mask, md_mask, row
+
+
+@triton.jit
 def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """grid (cdiv(T, BLOCK_M), B*H): the gated mixture OUT[b, t, h] = sum_slot GATE[b, t, h,
@@ -483,16 +498,8 @@ def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
     faster by ≈ 0.7 ms at 32K but not deterministic on the H100: identical forward calls
     differed by up to 0.04, also with CUDA_LAUNCH_BLOCKING=1; the cause was not found and the
     merge stays in ``span_fwd_kernel``'s epilogue.)"""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < T
-    md_mask = m_mask[:, None] & (offs_d < D)[None, :]
+    b, h, offs_m, m_mask, offs_d, d_mask, md_mask, row = _row_tile(T, H, D, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    row = pid_bh * T + offs_m
     for slot in tl.static_range(TOPK):
         g = tl.load(GATE + b * s_gb + offs_m * s_gt + h * s_gh + slot, mask=m_mask, other=0.0)
         a = tl.load(A + (row * TOPK + slot)[:, None] * D + offs_d[None, :], mask=md_mask,
@@ -515,17 +522,9 @@ def mix_bwd_kernel(A, GATE, DO, LSE, LSE_W, DGATE, COEF, DELTA, GAMMA, DELTA_W, 
     * per query [B*H, T]: the window's dO_w = sum_slot c_slot dA_slot = GAMMA dO with
       GAMMA = sum_slot c_slot gate_slot, and DELTA_W = sum_slot c_slot DELTA_slot, where
       c_slot = e^{lse_w - lse_slot} (0 where either is -inf)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < T
-    md_mask = m_mask[:, None] & (offs_d < D)[None, :]
+    b, h, offs_m, m_mask, offs_d, d_mask, md_mask, row = _row_tile(T, H, D, BLOCK_M, BLOCK_D)
     do = tl.load(DO + b * s_ob + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :],
                  mask=md_mask, other=0.0).to(tl.float32)
-    row = pid_bh * T + offs_m
     lse_w = tl.load(LSE_W + row, mask=m_mask, other=float("-inf"))
     gamma = tl.zeros([BLOCK_M], tl.float32)
     delta_w = tl.zeros([BLOCK_M], tl.float32)
@@ -557,21 +556,13 @@ def gate_bwd_kernel(QS, K, SEL_T, DS, DQS, DK, T, TK, H, GROUP, D,
     DQS [B, T, H, D] (float32) = sum_slot ds_slot k(t_slot) is written; DK [B, TK, H_kv, D]
     (float32) += ds_slot q_s(i), atomically (queries share anchors). It replaces a gather of
     the kept keys into a [B, T, H, k, D] tensor and its scatter-add backward."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h, offs_m, m_mask, offs_d, d_mask, md_mask, row = _row_tile(T, H, D, BLOCK_M, BLOCK_D)
     hk = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < T
-    d_mask = offs_d < D
-    md_mask = m_mask[:, None] & d_mask[None, :]
     q_ptr = b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :]
     qs = tl.load(QS + q_ptr, mask=md_mask, other=0.0).to(tl.float32)
     dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for slot in tl.static_range(TOPK):
-        t = tl.load(SEL_T + (pid_bh * T + offs_m) * TOPK + slot, mask=m_mask, other=-1)
+        t = tl.load(SEL_T + row * TOPK + slot, mask=m_mask, other=-1)
         ds = tl.load(DS + ((b * T + offs_m) * H + h) * TOPK + slot, mask=m_mask, other=0.0)
         ok = m_mask & (t >= 0)
         kd_mask = ok[:, None] & d_mask[None, :]
