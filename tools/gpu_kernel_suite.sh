@@ -10,7 +10,8 @@
 #
 # From the project root on the device, after `source .whl/setup.sh`:
 #   bash tools/gpu_kernel_suite.sh tests            # every kernel's GPU tests (pytest -m gpu)
-#   bash tools/gpu_kernel_suite.sh asa              # ASA's GPU tests, then its default vs candidates
+#   bash tools/gpu_kernel_suite.sh asa              # ASA's GPU tests, then asa-bench
+#   bash tools/gpu_kernel_suite.sh asa-bench        # ASA's default vs the baselines, 2K to 128K
 #   bash tools/gpu_kernel_suite.sh sparse-bench     # PPA, Superlinear prefill benchmarks; Superlinear profile
 #   bash tools/gpu_kernel_suite.sh deconstructed    # nonapprox, approx: GPU tests, then the table
 #   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
@@ -67,9 +68,14 @@ gpu_tests() {
 }
 
 stage_asa() {
-  # ASA alone after a kernel change: its GPU tests, then its default launch against the
-  # baselines (where the time goes: per kernel, and on the host at short lengths)
+  # ASA alone after a kernel change: its GPU tests, then stage_asa_bench
   gpu_tests asa "$R/tests/test_asa_kernel.py"
+  stage_asa_bench
+}
+
+stage_asa_bench() {
+  # ASA's default launch against the baselines, 2K to 128K (where the time goes: per kernel,
+  # and on the host at short lengths)
   timeout "$STAGE_TIMEOUT" $BENCH --ops asa --baselines dense,fla \
     --lengths 2048,4096,8192,16384,32768,65536,131072 --profile --host-profile 50 --cuda-graph \
     --json "$LOGS/bench_asa.json" > "$LOGS/bench_asa.log" 2>&1
@@ -229,6 +235,7 @@ for stage in "$@"; do
   case $stage in
     tests) stage_tests ;;
     asa) stage_asa ;;
+    asa-bench) stage_asa_bench ;;
     asa-check) stage_asa_check ;;
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
@@ -241,7 +248,7 @@ for stage in "$@"; do
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-bench asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"
