@@ -20,8 +20,16 @@ held to the bound. Bounds:
   fp16 for the tensor cores, fp32 accumulation; seen ≤ 6e-4);
 * bf16: 2e-2 (the same with bf16's 8-bit mantissa; seen ≤ 6e-3 in the interpreter, whose bf16
   dots go through fp32 — the GPU test checks the real bf16 tensor-core path against the same bound).
+
+Both chunk-state scans (launch option ``scan``: "parallel", the default, and "sequential") run
+the ``test_scan_*`` tests: ragged lengths continuing an initial state and returning the final
+one, GQA, several blocks of S per chunk, against the reference, and against each other
+(the states themselves: equal up to summation order in fp32; ≤ 4e-3 apart in bf16, from the
+parallel scan's bf16 deltas, in the interpreter).
 """
 
+
+import json
 
 import pytest
 import torch
@@ -228,6 +236,8 @@ LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
 LAUNCH_ALONE = {
     "default": ("{}", 1),
     "recompute": ('{"keep_states": false}', 1 + 1),
+    "sequential": ('{"scan": "sequential"}', 1),
+    "sequential_recompute": ('{"scan": "sequential", "keep_states": false}', 1 + 1),
 }
 
 
@@ -274,6 +284,158 @@ def test_launch_option_with_initial_state(option, monkeypatch):
     calls = _count_calls(monkeypatch)
     _compare_with_state(1, 50, 100, 4, 2, 16)
     assert calls == {"_forward_states": expected}
+
+
+# ------------------------------------------------------------------------------------------
+# the chunk-state scans: "parallel" (per-chunk deltas + ASA's prefix sum) and "sequential"
+# ------------------------------------------------------------------------------------------
+SCANS = ("parallel", "sequential")
+
+
+def _scan_launch(monkeypatch, scan, **extra):
+    """Select the scan (and other options) and count the parallel path's prefix sums (one in the
+    forward, one in the backward), so that a test sees which path ran."""
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps({"scan": scan, **extra}))
+    return _count_calls(monkeypatch, ("_forward_states", "_scan_pair"))
+
+
+def _compare_continued(B, T0, T, H, H_kv, D, dtype=torch.float32, seed=11):
+    """Prefill of T tokens continuing from the fp32 state after T0 earlier ones (T0 = 0: no
+    initial state), with its final state, against the chunked fp32 reference from the same state
+    on the same (rounded) inputs: o, dq, dk, dv and the final state. T = 1 without a state:
+    dq = dk = 0 by the math, their largest absolute value is held to the bound."""
+    state = None
+    if T0:
+        past = [a.detach().float() for a in _inputs(B, T0, H, H_kv, D, dtype, seed=seed)]
+        _, state = approx_attention_chunked(*past)
+    args = _inputs(B, T, H, H_kv, D, dtype, seed=seed + 1)
+    o, st = ops.approx_prefill(*args, state=state, impl="kernel")
+    d_out = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 2)).to(o)
+    got = (o,) + torch.autograd.grad(o, args, d_out)
+    ref_args = [a.detach().float().requires_grad_() for a in args]
+    ref_o, ref_st = approx_attention_chunked(*ref_args, state=state)
+    ref = (ref_o,) + torch.autograd.grad(ref_o, ref_args, d_out.float())
+    bound = BOUNDS[dtype]
+    errors = {name: rel_rms(x, r) for name, x, r in zip(NAMES, got, ref)}
+    if T == 1 and not T0:
+        errors["dq"], errors["dk"] = got[1].abs().max().item(), got[2].abs().max().item()
+    assert st.length == ref_st.length == T0 + T
+    for name, a, b in zip(("sum_v", "sum_k1", "sum_k2", "kv1", "kv2"), st.tensors(),
+                          ref_st.tensors()):
+        assert a.dtype == torch.float32 and a.is_contiguous(), name
+        errors[name] = rel_rms(a, b)
+    for name, x in zip(NAMES, got):
+        assert x.dtype == dtype and torch.isfinite(x).all(), name
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"relative RMS above {bound}: {bad} (all: {errors})"
+    return errors
+
+
+# several [16, 16] blocks of S per chunk also at small D (D = 24 in 32: two per row and column,
+# the second partly masked): the delta kernels' and the sequential scans' blocks
+SMALL_BLOCKS = {"BK_delta": 16, "BV_delta": 16, "BK_state": 16, "BV_state": 16}
+# (T0 earlier tokens in the initial state, T tokens): around the 64-token chunk, 5 chunks
+SCAN_LENGTHS = [(50, 1), (50, 63), (50, 64), (50, 65), (50, 300), (0, 1), (0, 65), (0, 300)]
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("T0,T", SCAN_LENGTHS, ids=lambda x: str(x))
+def test_scan_modes_match_reference(scan, T0, T, monkeypatch):
+    """Both scans, ragged lengths, GQA (G = 2), B = 2, padded D: forward, every gradient and the
+    final state (chunked-prefill continuity: the initial state enters the prefix sums). Several
+    blocks of S per chunk (``SMALL_BLOCKS``), as at D = 128 on a GPU; the other tests run the
+    default blocks."""
+    calls = _scan_launch(monkeypatch, scan, **SMALL_BLOCKS)
+    _compare_continued(2, T0, T, 4, 2, 24)
+    assert calls == {"_forward_states": 1, "_scan_pair": 2 if scan == "parallel" else 0}
+
+
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_scan_modes_half_dtypes(scan, dtype, monkeypatch):
+    """The half dtypes on both scans, continuing a state; the parallel scan's deltas are bf16
+    for bf16 inputs (deltas_half), fp32 for fp16 ones, the states in the input dtype."""
+    seen = []
+    _scan_launch(monkeypatch, scan)
+    scan_pair = KERNEL.function._scan_pair
+
+    def spy(delta, dz, *args, **kwargs):
+        seen.append((delta.dtype, dz.dtype, args[-1]))
+        return scan_pair(delta, dz, *args, **kwargs)
+
+    monkeypatch.setattr(KERNEL.function, "_scan_pair", spy)
+    _compare_continued(1, 70, 130, 4, 2, 32, dtype=dtype)
+    if scan == "sequential":
+        assert seen == []
+    else:
+        delta = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        assert seen == [(delta, torch.float32, dtype)] * 2
+
+
+def test_scan_deltas_half_off(monkeypatch):
+    """deltas_half off: fp32 deltas for bf16 inputs, the same accuracy."""
+    seen = []
+    _scan_launch(monkeypatch, "parallel", deltas_half=False)
+    scan_pair = KERNEL.function._scan_pair
+    monkeypatch.setattr(KERNEL.function, "_scan_pair",
+                        lambda d, z, *a, **k: seen.append(d.dtype) or scan_pair(d, z, *a, **k))
+    _compare_continued(1, 0, 130, 2, 1, 32, dtype=torch.bfloat16)
+    assert seen == [torch.float32] * 2
+
+
+def test_scan_option_is_checked(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, '{"scan": "blocked"}')
+    args = _inputs(1, 8, 2, 1, 16, torch.float32)
+    with pytest.raises(ValueError, match="scan='blocked'"):
+        ops.approx_attention(*args, impl="kernel")
+
+
+def _scan_states(scan, monkeypatch, B, T, H, H_kv, D, dtype, with_state, seed=21,
+                 blocks=None):
+    """The forward states (with the final state) and the backward's reverse states of one
+    scan, computed by function.py's helpers on the same inputs, den and r (blocks: launch
+    overrides, ``SMALL_BLOCKS`` unless given)."""
+    blocks = SMALL_BLOCKS if blocks is None else blocks
+    monkeypatch.setenv(LAUNCH_ENV, json.dumps({"scan": scan, **blocks}))
+    fn = KERNEL.function
+    cfg = fn._launch(D, dtype)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, d_o = (torch.randn(B, T, h, D, generator=g).to(DEVICE, dtype)
+                    for h in (H, H_kv, H_kv, H))
+    state = None
+    if with_state:
+        state = (torch.randn(B, H_kv, 2, D, D, generator=g).to(DEVICE),
+                 torch.randn(B, H_kv, 3, D, generator=g).to(DEVICE))
+    s, zv, final = fn._forward_states(k, v, state, cfg, True)
+    NT = s.shape[2]
+    den = (torch.rand(B, H, 2, T, generator=g) + 0.5).to(DEVICE)  # away from the guard
+    r = torch.randn(B, H, 2, T, generator=g).to(DEVICE)
+    ds, dzv = fn._reverse_states(q, d_o, den, r, cfg, H_kv, NT, 7, 1e-6)
+    return {"S": s, "zv": zv, "S_final": final[0], "zv_final": final[1], "dS": ds, "dzv": dzv}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["fresh", "state"])
+def test_scan_parallel_and_sequential_states_agree(dtype, with_state, monkeypatch):
+    """The two scans' chunk states, final states and reverse states (GQA sums, dsv's 1/n with
+    length0 = 7), 4 ragged chunks, B = 2: the same up to summation order (fp32) or the
+    parallel scan's bf16 deltas (bf16)."""
+    shape = (2, 200, 4, 2, 24)
+    par = _scan_states("parallel", monkeypatch, *shape, dtype, with_state)
+    seq = _scan_states("sequential", monkeypatch, *shape, dtype, with_state)
+    bound = 1e-6 if dtype == torch.float32 else 1e-2
+    for name in par:
+        a, b = par[name], seq[name]
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        # chunk 0 of the forward states is the initial state (zeros without one), the last
+        # chunk's reverse states are zeros: exactly, on both paths
+        if name in ("S", "zv"):
+            assert torch.equal(a[:, :, 0], b[:, :, 0]), name
+        if name in ("dS", "dzv"):
+            assert torch.equal(a[:, :, -1], torch.zeros_like(a[:, :, -1])), name
+        err = rel_rms(a.float(), b.float())
+        print(f"{name}: {err:.1e}")
+        assert err < bound, (name, err)
 
 
 # ------------------------------------------------------------------------------------------
@@ -334,3 +496,56 @@ def test_cuda_graph_replay_gpu():
     errors = graph_replay_matches_eager(
         lambda *a: ops.approx_attention(*a, impl="kernel"), inputs, grad_out)
     assert max(errors.values()) < 1e-6, errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_scan_modes_gpu(scan, dtype, monkeypatch):
+    """Both scans at T = 4096 (64 chunks), D = 128 (the default 64 x 64 delta blocks), GQA,
+    B = 2, continuing a 1000-token state, with the final state: o, every gradient and the final
+    state against the chunked fp32 reference."""
+    calls = _scan_launch(monkeypatch, scan)
+    errors = _compare_continued(2, 1000, 4096, 8, 2, 128, dtype=dtype)
+    assert calls["_scan_pair"] == (2 if scan == "parallel" else 0)
+    print(f"{scan} {dtype}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", SCANS)
+def test_scan_modes_long_gpu(scan, monkeypatch):
+    """16K tokens (256 chunks), bf16, GQA, with the final state: o, every gradient and the
+    final state against the chunked fp32 reference."""
+    calls = _scan_launch(monkeypatch, scan)
+    errors = _compare_continued(1, 0, 16384, 8, 4, 128, dtype=torch.bfloat16)
+    assert calls["_scan_pair"] == (2 if scan == "parallel" else 0)
+    print(f"{scan} 16K bf16: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T", [4096, 16384])
+def test_scan_parallel_and_sequential_states_agree_gpu(T, dtype, monkeypatch):
+    """The two scans' chunk, final and reverse states on the compiled kernels at the default
+    blocks (D = 128, GQA, an initial state)."""
+    par = _scan_states("parallel", monkeypatch, 1, T, 8, 4, 128, dtype, True, blocks={})
+    seq = _scan_states("sequential", monkeypatch, 1, T, 8, 4, 128, dtype, True, blocks={})
+    bound = 1e-5 if dtype == torch.float32 else 1e-2
+    errors = {name: rel_rms(par[name].float(), seq[name].float()) for name in par}
+    print(f"T={T} {dtype}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+    assert all(e < bound for e in errors.values()), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", SCANS)
+def test_scan_modes_cuda_graph_replay_gpu(scan, monkeypatch):
+    """fwd+bwd of either scan captured in a CUDA graph and replayed on new values equals
+    eager (the parallel path allocates its deltas and launches two more kernels per pass)."""
+    _scan_launch(monkeypatch, scan)
+    inputs = _inputs(1, 2048, 8, 2, 128, torch.bfloat16)
+    grad_out = torch.randn(1, 2048, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    errors = graph_replay_matches_eager(
+        lambda *a: ops.approx_attention(*a, impl="kernel"), inputs, grad_out)
+    assert max(errors.values()) < 1e-6, errors
+

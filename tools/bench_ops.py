@@ -362,12 +362,23 @@ def bench_approx(args, T: int, dtype) -> List[Row]:
     B, H, D = args.batch, args.heads, args.head_dim
     H_kv, C = args.kv_heads or H, 64
     flops = B * T * (H * (10 * C * D + 4 * D * D) + H_kv * 4 * D * D)
+    from megatron_subq.kernels.approx.function import LAUNCH_ENV
 
-    def run():
-        return approx_attention(q, k, v, impl="kernel")
+    rows = []
+    for launch in args.approx_launch or [""]:
+        def run(launch=launch):
+            # launch-config overrides (A/B, e.g. '{"scan": "sequential"}') travel through the
+            # kernel's environment knob, read on every call
+            if launch:
+                os.environ[LAUNCH_ENV] = launch
+            else:
+                os.environ.pop(LAUNCH_ENV, None)
+            return approx_attention(q, k, v, impl="kernel")
 
-    fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
-    return [("approx_kernel", fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes, "fwd_flops": flops})]
+        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+        name = "approx_kernel" + (launch.replace(" ", "") if launch else "")
+        rows.append((name, fwd, fwd_bwd, {"fwd_min_bytes": fwd_bytes, "fwd_flops": flops}))
+    return rows
 
 
 OP_BENCHES: Dict[str, Callable[..., List[Row]]] = {
@@ -544,6 +555,9 @@ def main(argv=None) -> int:
                    help="flex-attention rows for PPA up to this length (0: none)")
     p.add_argument("--asa-launch", action="append", default=[],
                    help="JSON launch-config override of the ASA kernel (repeat to sweep)")
+    p.add_argument("--approx-launch", action="append", default=[],
+                   help="JSON launch-config override of the approx kernel (repeat to sweep, "
+                        "e.g. --approx-launch '{}' --approx-launch '{\"scan\": \"sequential\"}')")
     p.add_argument("--superlinear-knobs", default="",
                    help="JSON dict over superlinear's issue-7 knobs (w=1088, top-2, b=4, f=2)")
     p.add_argument("--superlinear-chunk", default="32768",

@@ -17,6 +17,7 @@
 #   bash tools/gpu_kernel_suite.sh superlinear-ab   # superlinear options: GPU tests, then A/B
 #   SL_AB='{"fused_mix": true}' bash tools/gpu_kernel_suite.sh superlinear-bench  # the A/B only
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
+#   APPROX_AB='{"scan": "sequential"}' bash tools/gpu_kernel_suite.sh approx-ab  # approx A/B
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
 #   ASA_AB='{"BV_out": 64};{"delta_warps": 4}' ASA_CANDIDATE='{"BV_out": 64}' \
 #     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
@@ -112,16 +113,17 @@ stage_deconstructed() {
     --lengths 2048,4096,8192,16384,32768,65536 --cuda-graph \
     --json "$LOGS/bench_deconstructed.json" > "$LOGS/bench_deconstructed.log" 2>&1
   grep -v '^{' "$LOGS/bench_deconstructed.log" | tail -26
-  # approx's state scans are latency-bound (one program per [BK, BV] state block walks every
-  # chunk): smaller blocks, more programs in flight (MEGATRON_SUBQ_APPROX_LAUNCH is per call)
-  local launch tag
-  for launch in '{"BK_state": 32}' '{"BK_state": 32, "BV_state": 16}'; do
-    tag=$(echo "$launch" | tr -dc 'A-Za-z0-9')
-    MEGATRON_SUBQ_APPROX_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH --ops approx --baselines "" \
-      --lengths 16384,65536 --profile --json "$LOGS/bench_approx_$tag.json" \
-      > "$LOGS/bench_approx_$tag.log" 2>&1
-    echo "approx $launch:"; grep -E '^ +[0-9]+ ' "$LOGS/bench_approx_$tag.log"
-  done
+}
+
+stage_approx_ab() {
+  # approx's launch options against its default (APPROX_AB: ';'-separated JSON overrides, e.g.
+  # '{"scan": "sequential"}'), fwd and fwd+bwd, CUDA-graph timing, at 16K and 64K
+  local args=(--approx-launch '{}') cands c
+  IFS=';' read -ra cands <<< "${APPROX_AB:-}"
+  for c in "${cands[@]}"; do args+=(--approx-launch "$c"); done
+  timeout "$STAGE_TIMEOUT" $BENCH --ops approx --baselines dense --lengths 16384,65536 --profile \
+    --cuda-graph "${args[@]}" --json "$LOGS/bench_approx_ab.json" > "$LOGS/bench_approx_ab.log" 2>&1
+  grep -E '^(graph|profile)' "$LOGS/bench_approx_ab.log"
 }
 
 stage_graphs() {
@@ -225,11 +227,6 @@ stage_profile() {
   timeout "$STAGE_TIMEOUT" $BENCH --ops nonapprox,approx --baselines dense --lengths 2048,16384 \
     --profile --host-profile 50 --json "$LOGS/bench_profile.json" > "$LOGS/bench_profile.log" 2>&1
   grep -v '^{' "$LOGS/bench_profile.log" | tail -60
-  # approx's keep_states option (read from its env var; bench_ops has no flag for it)
-  MEGATRON_SUBQ_APPROX_LAUNCH='{"keep_states": true}' timeout "$STAGE_TIMEOUT" $BENCH --ops approx \
-    --baselines "" --lengths 16384,65536 --profile --json "$LOGS/bench_approx_keep.json" \
-    > "$LOGS/bench_approx_keep.log" 2>&1
-  grep -v '^{' "$LOGS/bench_approx_keep.log" | tail -30
 }
 
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -238,6 +235,7 @@ for stage in "$@"; do
     tests) stage_tests ;;
     asa) stage_asa ;;
     asa-bench) stage_asa_bench ;;
+    approx-ab) stage_approx_ab ;;
     asa-check) stage_asa_check ;;
     deconstructed) stage_deconstructed ;;
     superlinear-ab) stage_superlinear_ab ;;
@@ -250,7 +248,7 @@ for stage in "$@"; do
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-bench asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-bench approx-ab asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -6,27 +6,46 @@ are D × D — the element-wise square ``Σ_d q_d² k_d²`` is not the Based-sty
 features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states entering chunk c
 ``S = Σ_{j<c} bᵀ v`` (D × D), ``z = Σ_{j<c} b``, ``sv = Σ_{j<c} v``::
 
-    forward   states (sequential in c):  S1, S2, z1, z2, sv before every chunk (and the final ones)
+    forward   states:  S1, S2, z1, z2, sv before every chunk (and the final ones)
               output (parallel):  A_t = tril(a_t b_tᵀ),  den_t = A_t 1 + a_t·z_t,  d_t = safe(den_t)
                                   o_t = (A_t v + a_t S_t) / d_t   (t = 1, 2),
                                   o0  = (sv + tril(1) v) / n_i   (n_i = tokens so far, this one included)
                                   o   = o0 + o1 + o2
     backward  r_t = dden_t = −[|den_t| ≥ eps] (dO·o_t) / d_t  (safe() is constant where it guards),
-              reverse states (sequential): dS_t = Σ_{i>c} (a_t/d_t)ᵀ dO,  dz_t = Σ_{i>c} r_t a_t,
-                                           dsv = Σ_{i>c} dO / n          (summed over the GQA group)
+              reverse states: dS_t = Σ_{i>c} (a_t/d_t)ᵀ dO,  dz_t = Σ_{i>c} r_t a_t,
+                              dsv = Σ_{i>c} dO / n          (summed over the GQA group)
               per chunk: E_t = tril(dO vᵀ / d_t + r_t 1ᵀ)
                          da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ,   db_t = E_tᵀ a_t + v dS_tᵀ + dz_t
                          dv   = tril(A1/d1 + A2/d2 + 1/n)ᵀ dO + b1 dS1 + b2 dS2 + dsv
                          dq = σ (da1 + √2 q~ ⊙ da2),  dk = σ (db1 + √2 k~ ⊙ db2)
 
+The state scans (forward states and backward reverse states) run one of two ways, chosen by the
+launch option ``scan`` (``function.py: _launch``):
+
+* ``"parallel"`` (default): a delta kernel, parallel over every chunk
+  (``approx_fwd_delta_kernel``, ``approx_bwd_delta_kernel``; grid (D/BK · D/BV, NT, B·H_kv),
+  [BK, BV] blocks of S), writes each chunk's own contribution — ΔS_t = b_tᵀ v (forward) or
+  Σ_group (a_t/d_t)ᵀ dO (backward), tensor-core dots, and the vector ones Σ b_t, Σ v (forward)
+  or Σ r_t a_t, Σ dO/n (backward) — then an exclusive prefix sum over chunks (forward; reverse
+  in the backward) carrying only a running fp32 sum: ``chunk_scan_pair_kernel`` (kernels/scan.py,
+  shared with ASA), S and the vectors in one launch, with the initial state as its start
+  and the final state as its last sum.
+* ``"sequential"``: one program per ``BK × BV`` block of S and (batch, KV head) walks every chunk
+  in order with a matmul per chunk (``approx_fwd_states_kernel``, ``approx_bwd_states_kernel``):
+  fewer bytes, but its latency grows with T/BT.
+
+Both write the same tensors, which the output and gradient kernels read: S1 and S2 of every
+chunk as one ``[B, H_kv, NT, 2, D, D]`` tensor in the matmul operand dtype (the input's for
+bf16/fp16 — they are rounded to it for the tensor cores anyway — fp32 for fp32 inputs), and z1,
+z2, sv as one fp32 ``[B, H_kv, NT, 3, D]`` tensor (the backward's dS and dz, dsv alike); the
+initial and final states ``[B, H_kv, 2, D, D]`` and ``[B, H_kv, 3, D]``, fp32. Every sum and
+accumulation is fp32; the parallel path's per-chunk deltas are bf16 for bf16 inputs (launch
+option ``deltas_half``), else fp32. The backward reads the forward's states (launch option
+``keep_states``) or recomputes them. Triton's interpreter mis-computes bf16 dots, so there
+(only) bf16 operands go through fp32 (``DOT_F32``).
+
 ``safe`` replaces ``|den| < eps`` by ``±eps`` (sign kept, +eps for 0), exactly as
-``megatron_subq.ops.approx.safe_denominator``. Chunk states ``S`` are stored in the matmul operand
-dtype (the input's for bf16/fp16 — they are rounded to it for the tensor cores anyway — fp32 for
-fp32 inputs) as ``[B, H_kv, NT, D, D]``; ``z, sv`` and every accumulation are fp32. The state
-kernels split S into ``BK × BV`` blocks, one program each, for parallelism; the backward
-recomputes the forward states rather than keeping them alive (unless the launch option
-``keep_states`` is set, see ``function.py: _launch``). Triton's interpreter mis-computes
-bf16 dots, so there (only) bf16 operands go through fp32 (``DOT_F32``).
+``megatron_subq.ops.approx.safe_denominator``.
 
 Layout: q ``[B, T, H, D]``, k, v ``[B, T, H_kv, D]`` contiguous; D padded to a power of two ≥ 16
 with masked loads (padded features and padded tokens are 0 and add nothing).
@@ -60,17 +79,59 @@ def _safe(den, eps):
 # forward
 # ------------------------------------------------------------------------------------------
 @triton.jit
+def approx_fwd_delta_kernel(
+    k_ptr, v_ptr, ds_ptr, dzv_ptr,
+    T, HKV, D, NT, NV, scale,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BK)·NV, NT, B*H_kv), NV = cdiv(D, BV) (cfg scan="parallel"): chunk c's own
+    contribution to the forward states, every chunk at once: the [BK, BV] blocks of
+    ΔS1 = b1ᵀ v and ΔS2 = b2ᵀ v, Δz1 = Σ b1, Δz2 = Σ b2 (its BK features, from pid_v = 0) and
+    Δsv = Σ v (its BV columns, from pid_k = 0).
+
+    ds_ptr: [B, H_kv, NT, 2, D, D] (fp32, or bf16 with cfg deltas_half); dzv_ptr:
+    [B, H_kv, NT, 3, D] fp32 — the layouts of the states the prefix sum turns them into."""
+    pid_kv, c, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_k, pid_v = pid_kv // NV, pid_kv % NV
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    t0 = c * BT
+    d_cols = pid_k * BK + tl.arange(0, BK)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    d_ok, v_ok = d_cols < D, v_cols < D
+    base = (b * T * HKV + hk) * D
+    b1 = _tile(k_ptr + base, t0, T, HKV * D, d_cols, D, BT) * scale  # padded tokens: 0
+    b2 = _square(b1)
+    v = _tile(v_ptr + base, t0, T, HKV * D, v_cols, D, BT)
+    vo = _operand(v, k_ptr, DOT_F32)
+    d1 = tl.dot(tl.trans(_operand(b1, k_ptr, DOT_F32)), vo, input_precision=PREC)
+    d2 = tl.dot(tl.trans(_operand(b2, k_ptr, DOT_F32)), vo, input_precision=PREC)
+    out = pid_bk * NT + c
+    s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
+    s_mask = d_ok[:, None] & v_ok[None, :]
+    tl.store(ds_ptr + s_off, d1.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(ds_ptr + s_off + D * D, d2.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    zv = dzv_ptr + out * 3 * D
+    if pid_v == 0:
+        tl.store(zv + d_cols, tl.sum(b1, axis=0), mask=d_ok)
+        tl.store(zv + D + d_cols, tl.sum(b2, axis=0), mask=d_ok)
+    if pid_k == 0:
+        tl.store(zv + 2 * D + v_cols, tl.sum(v, axis=0), mask=v_ok)
+
+
+@triton.jit
 def approx_fwd_states_kernel(
-    k_ptr, v_ptr, s1_0, s2_0, z1_0, z2_0, sv_0,
-    s1_ptr, s2_ptr, z_ptr, sv_ptr, s1_f, s2_f, z1_f, z2_f, sv_f,
+    k_ptr, v_ptr, s0_ptr, zv0_ptr, s_ptr, zv_ptr, sf_ptr, zvf_ptr,
     T, HKV, D, NT, scale,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr,
     STORE_FINAL: tl.constexpr, PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv): the [BK, BV] blocks of S1, S2 entering every
-    chunk (z from the programs with pid_v = 0, sv from those with pid_k = 0), and the final ones.
+    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv) (cfg scan="sequential"): the [BK, BV] blocks of
+    S1, S2 entering every chunk (z1, z2 from the programs with pid_v = 0, sv from those with
+    pid_k = 0), and the final ones, in one walk over the chunks.
 
-    s1_ptr, s2_ptr: [B, H_kv, NT, D, D]; z_ptr: [B, H_kv, NT, 2, D]; sv_ptr: [B, H_kv, NT, D]."""
+    s_ptr: [B, H_kv, NT, 2, D, D] (S1, S2); zv_ptr: [B, H_kv, NT, 3, D] (z1, z2, sv, fp32);
+    the initial (s0, zv0) and final (sf, zvf) states: [B, H_kv, 2, D, D], [B, H_kv, 3, D] fp32."""
     pid_k, pid_v, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hk = pid_bk // HKV, pid_bk % HKV
     k_cols = pid_k * BK + tl.arange(0, BK)
@@ -78,12 +139,13 @@ def approx_fwd_states_kernel(
     k_ok, v_ok = k_cols < D, v_cols < D
     s_off = k_cols[:, None] * D + v_cols[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
+    DD = D * D
     if HAS_STATE:
-        S1 = tl.load(s1_0 + pid_bk * D * D + s_off, mask=s_mask, other=0.0)
-        S2 = tl.load(s2_0 + pid_bk * D * D + s_off, mask=s_mask, other=0.0)
-        z1 = tl.load(z1_0 + pid_bk * D + k_cols, mask=k_ok, other=0.0)
-        z2 = tl.load(z2_0 + pid_bk * D + k_cols, mask=k_ok, other=0.0)
-        sv = tl.load(sv_0 + pid_bk * D + v_cols, mask=v_ok, other=0.0)
+        S1 = tl.load(s0_ptr + pid_bk * 2 * DD + s_off, mask=s_mask, other=0.0)
+        S2 = tl.load(s0_ptr + pid_bk * 2 * DD + DD + s_off, mask=s_mask, other=0.0)
+        z1 = tl.load(zv0_ptr + pid_bk * 3 * D + k_cols, mask=k_ok, other=0.0)
+        z2 = tl.load(zv0_ptr + pid_bk * 3 * D + D + k_cols, mask=k_ok, other=0.0)
+        sv = tl.load(zv0_ptr + pid_bk * 3 * D + 2 * D + v_cols, mask=v_ok, other=0.0)
     else:
         S1 = tl.zeros([BK, BV], dtype=tl.float32)
         S2 = tl.zeros([BK, BV], dtype=tl.float32)
@@ -93,13 +155,13 @@ def approx_fwd_states_kernel(
     base = (b * T * HKV + hk) * D
     for c in range(NT):
         out = pid_bk * NT + c
-        tl.store(s1_ptr + out * D * D + s_off, S1.to(s1_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(s2_ptr + out * D * D + s_off, S2.to(s2_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(s_ptr + out * 2 * DD + s_off, S1.to(s_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(s_ptr + out * 2 * DD + DD + s_off, S2.to(s_ptr.dtype.element_ty), mask=s_mask)
         if pid_v == 0:
-            tl.store(z_ptr + out * 2 * D + k_cols, z1, mask=k_ok)
-            tl.store(z_ptr + out * 2 * D + D + k_cols, z2, mask=k_ok)
+            tl.store(zv_ptr + out * 3 * D + k_cols, z1, mask=k_ok)
+            tl.store(zv_ptr + out * 3 * D + D + k_cols, z2, mask=k_ok)
         if pid_k == 0:
-            tl.store(sv_ptr + out * D + v_cols, sv, mask=v_ok)
+            tl.store(zv_ptr + out * 3 * D + 2 * D + v_cols, sv, mask=v_ok)
         t0 = c * BT
         b1 = _tile(k_ptr + base, t0, T, HKV * D, k_cols, D, BT) * scale
         b2 = _square(b1)
@@ -111,25 +173,26 @@ def approx_fwd_states_kernel(
         z2 += tl.sum(b2, axis=0)
         sv += tl.sum(v, axis=0)
     if STORE_FINAL:
-        tl.store(s1_f + pid_bk * D * D + s_off, S1, mask=s_mask)
-        tl.store(s2_f + pid_bk * D * D + s_off, S2, mask=s_mask)
+        tl.store(sf_ptr + pid_bk * 2 * DD + s_off, S1, mask=s_mask)
+        tl.store(sf_ptr + pid_bk * 2 * DD + DD + s_off, S2, mask=s_mask)
         if pid_v == 0:
-            tl.store(z1_f + pid_bk * D + k_cols, z1, mask=k_ok)
-            tl.store(z2_f + pid_bk * D + k_cols, z2, mask=k_ok)
+            tl.store(zvf_ptr + pid_bk * 3 * D + k_cols, z1, mask=k_ok)
+            tl.store(zvf_ptr + pid_bk * 3 * D + D + k_cols, z2, mask=k_ok)
         if pid_k == 0:
-            tl.store(sv_f + pid_bk * D + v_cols, sv, mask=v_ok)
+            tl.store(zvf_ptr + pid_bk * 3 * D + 2 * D + v_cols, sv, mask=v_ok)
 
 
 @triton.jit
 def approx_fwd_out_kernel(
-    q_ptr, k_ptr, v_ptr, s1_ptr, s2_ptr, z_ptr, sv_ptr,
+    q_ptr, k_ptr, v_ptr, s_ptr, zv_ptr,
     o_ptr, o1_ptr, o2_ptr, den_ptr,
     T, H, HKV, G, D, NT, L0, scale, eps,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """grid (cdiv(D, BV), NT, B*H): o, o1, o2 of chunk c for a block of BV value columns, and the
-    raw denominators den1, den2 ([B, H, 2, T] fp32; V-block 0)."""
+    raw denominators den1, den2 ([B, H, 2, T] fp32; V-block 0). s_ptr, zv_ptr: the chunk states
+    ([B, H_kv, NT, 2, D, D], [B, H_kv, NT, 3, D])."""
     pid_v, c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -149,10 +212,10 @@ def approx_fwd_out_kernel(
                 input_precision=PREC)
     A1 = tl.where(causal, A1, 0.0)
     A2 = tl.where(causal, A2, 0.0)
-    st = pid_bh // H * HKV + hk  # the (b, kv head) of the states
-    z_base = z_ptr + (st * NT + c) * 2 * D
-    z1 = tl.load(z_base + d_cols, mask=d_cols < D, other=0.0)
-    z2 = tl.load(z_base + D + d_cols, mask=d_cols < D, other=0.0)
+    sc = (b * HKV + hk) * NT + c  # the states' (b, kv head, chunk)
+    zv_base = zv_ptr + sc * 3 * D
+    z1 = tl.load(zv_base + d_cols, mask=d_cols < D, other=0.0)
+    z2 = tl.load(zv_base + D + d_cols, mask=d_cols < D, other=0.0)
     den1 = tl.sum(A1, axis=1) + tl.sum(a1 * z1[None, :], axis=1)
     den2 = tl.sum(A2, axis=1) + tl.sum(a2 * z2[None, :], axis=1)
     if pid_v == 0:
@@ -160,10 +223,10 @@ def approx_fwd_out_kernel(
         tl.store(den_ptr + pid_bh * 2 * T + T + rows, den2, mask=row_ok)
     v = _tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT)
     vo = _operand(v, q_ptr, DOT_F32)
-    s_off = (st * NT + c) * D * D + d_cols[:, None] * D + v_cols[None, :]
+    s_off = sc * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
     s_mask = (d_cols[:, None] < D) & (v_cols[None, :] < D)
-    S1 = tl.load(s1_ptr + s_off, mask=s_mask, other=0.0)
-    S2 = tl.load(s2_ptr + s_off, mask=s_mask, other=0.0)
+    S1 = tl.load(s_ptr + s_off, mask=s_mask, other=0.0)
+    S2 = tl.load(s_ptr + s_off + D * D, mask=s_mask, other=0.0)
     o1 = tl.dot(_operand(A1, q_ptr, DOT_F32), vo, input_precision=PREC)
     o1 = tl.dot(_operand(a1, q_ptr, DOT_F32), _operand(S1, q_ptr, DOT_F32), acc=o1,
                 input_precision=PREC)
@@ -172,7 +235,7 @@ def approx_fwd_out_kernel(
     o2 = tl.dot(_operand(a2, q_ptr, DOT_F32), _operand(S2, q_ptr, DOT_F32), acc=o2,
                 input_precision=PREC)
     o2 = o2 / _safe(den2, eps)[:, None]
-    sv = tl.load(sv_ptr + (st * NT + c) * D + v_cols, mask=v_cols < D, other=0.0)
+    sv = tl.load(zv_base + 2 * D + v_cols, mask=v_cols < D, other=0.0)
     ones = tl.where(causal, 1.0, 0.0)
     count = (L0 + rows + 1).to(tl.float32)
     o0 = (tl.dot(_operand(ones, q_ptr, DOT_F32), vo, input_precision=PREC) + sv[None, :])
@@ -217,15 +280,76 @@ def _store_r(do, o_ptr, den_ptr, r_ptr, t0, T, H, D, eps, d_cols, BT: tl.constex
 
 
 @triton.jit
+def approx_bwd_delta_kernel(
+    q_ptr, do_ptr, den_ptr, r_ptr, ds_ptr, dzv_ptr,
+    T, H, HKV, G, D, NT, NV, L0, scale, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """grid (cdiv(D, BK)·NV, NT, B*H_kv), NV = cdiv(D, BV) (cfg scan="parallel"): chunk c's own
+    contribution to the reverse states, summed over the GQA group's query heads, every chunk at
+    once: the [BK, BV] blocks of ΔdS_t = Σ_g (a_t/d_t)ᵀ dO, Δdz_t = Σ_g Σ r_t a_t (its BK
+    features, pid_v = 0), Δdsv = Σ_g Σ dO / n (its BV columns, pid_k = 0). Layouts as
+    ``approx_fwd_delta_kernel``'s."""
+    pid_kv, c, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_k, pid_v = pid_kv // NV, pid_kv % NV
+    b, hk = pid_bk // HKV, pid_bk % HKV
+    t0 = c * BT
+    rows = t0 + tl.arange(0, BT)
+    row_ok = rows < T
+    count = (L0 + rows + 1).to(tl.float32)
+    d_cols = pid_k * BK + tl.arange(0, BK)
+    v_cols = pid_v * BV + tl.arange(0, BV)
+    d_ok, v_ok = d_cols < D, v_cols < D
+    d1 = tl.zeros([BK, BV], dtype=tl.float32)
+    d2 = tl.zeros([BK, BV], dtype=tl.float32)
+    dz1 = tl.zeros([BK], dtype=tl.float32)
+    dz2 = tl.zeros([BK], dtype=tl.float32)
+    dsv = tl.zeros([BV], dtype=tl.float32)
+    for g in range(G):
+        h = hk * G + g
+        bh = b * H + h
+        q_base = (b * T * H + h) * D
+        a1 = _tile(q_ptr + q_base, t0, T, H * D, d_cols, D, BT) * scale  # padded tokens: 0
+        a2 = _square(a1)
+        den1 = tl.load(den_ptr + bh * 2 * T + rows, mask=row_ok, other=1.0)
+        den2 = tl.load(den_ptr + bh * 2 * T + T + rows, mask=row_ok, other=1.0)
+        r1 = tl.load(r_ptr + bh * 2 * T + rows, mask=row_ok, other=0.0)
+        r2 = tl.load(r_ptr + bh * 2 * T + T + rows, mask=row_ok, other=0.0)
+        dz1 += tl.sum(r1[:, None] * a1, axis=0)
+        dz2 += tl.sum(r2[:, None] * a2, axis=0)
+        g1 = _operand(a1 / _safe(den1, eps)[:, None], q_ptr, DOT_F32)
+        g2 = _operand(a2 / _safe(den2, eps)[:, None], q_ptr, DOT_F32)
+        do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
+        dsv += tl.sum(do / count[:, None], axis=0)
+        dop = _operand(do, q_ptr, DOT_F32)
+        d1 = tl.dot(tl.trans(g1), dop, acc=d1, input_precision=PREC)
+        d2 = tl.dot(tl.trans(g2), dop, acc=d2, input_precision=PREC)
+    out = pid_bk * NT + c
+    s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
+    s_mask = d_ok[:, None] & v_ok[None, :]
+    tl.store(ds_ptr + s_off, d1.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(ds_ptr + s_off + D * D, d2.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    zv = dzv_ptr + out * 3 * D
+    if pid_v == 0:
+        tl.store(zv + d_cols, dz1, mask=d_ok)
+        tl.store(zv + D + d_cols, dz2, mask=d_ok)
+    if pid_k == 0:
+        tl.store(zv + 2 * D + v_cols, dsv, mask=v_ok)
+
+
+@triton.jit
 def approx_bwd_states_kernel(
-    q_ptr, do_ptr, den_ptr, r_ptr, ds1_ptr, ds2_ptr, dz_ptr, dsv_ptr,
+    q_ptr, do_ptr, den_ptr, r_ptr, ds_ptr, dzv_ptr,
     T, H, HKV, G, D, NT, L0, scale, eps,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv): the reverse states after every chunk, summed over
-    the group's query heads: dS_t = Σ (a_t/d_t)ᵀ dO ([BK, BV] blocks), dz_t = Σ r_t a_t
-    (pid_v = 0), dsv = Σ dO / n (pid_k = 0). Layouts as the forward's states."""
+    """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv) (cfg scan="sequential"): the reverse states after
+    every chunk, summed over the group's query heads, in one walk over the chunks (last first):
+    dS_t = Σ (a_t/d_t)ᵀ dO ([BK, BV] blocks), dz_t = Σ r_t a_t (pid_v = 0), dsv = Σ dO / n
+    (pid_k = 0). Layouts as the forward's states: ds_ptr [B, H_kv, NT, 2, D, D], dzv_ptr
+    [B, H_kv, NT, 3, D] (dz1, dz2, dsv)."""
     pid_k, pid_v, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hk = pid_bk // HKV, pid_bk % HKV
     k_cols = pid_k * BK + tl.arange(0, BK)
@@ -233,6 +357,7 @@ def approx_bwd_states_kernel(
     k_ok, v_ok = k_cols < D, v_cols < D
     s_off = k_cols[:, None] * D + v_cols[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
+    DD = D * D
     dS1 = tl.zeros([BK, BV], dtype=tl.float32)
     dS2 = tl.zeros([BK, BV], dtype=tl.float32)
     dz1 = tl.zeros([BK], dtype=tl.float32)
@@ -241,13 +366,14 @@ def approx_bwd_states_kernel(
     for i in range(NT):
         c = NT - 1 - i
         out = pid_bk * NT + c
-        tl.store(ds1_ptr + out * D * D + s_off, dS1.to(ds1_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(ds2_ptr + out * D * D + s_off, dS2.to(ds2_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(ds_ptr + out * 2 * DD + s_off, dS1.to(ds_ptr.dtype.element_ty), mask=s_mask)
+        tl.store(ds_ptr + out * 2 * DD + DD + s_off, dS2.to(ds_ptr.dtype.element_ty),
+                 mask=s_mask)
         if pid_v == 0:
-            tl.store(dz_ptr + out * 2 * D + k_cols, dz1, mask=k_ok)
-            tl.store(dz_ptr + out * 2 * D + D + k_cols, dz2, mask=k_ok)
+            tl.store(dzv_ptr + out * 3 * D + k_cols, dz1, mask=k_ok)
+            tl.store(dzv_ptr + out * 3 * D + D + k_cols, dz2, mask=k_ok)
         if pid_k == 0:
-            tl.store(dsv_ptr + out * D + v_cols, dsv, mask=v_ok)
+            tl.store(dzv_ptr + out * 3 * D + 2 * D + v_cols, dsv, mask=v_ok)
         t0 = c * BT
         rows = t0 + tl.arange(0, BT)
         row_ok = rows < T
@@ -302,13 +428,14 @@ def _bwd_row_terms(den_ptr, r_ptr, pid_bh, rows, row_ok, T, eps):
 
 @triton.jit
 def approx_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s1_ptr, s2_ptr, z_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, s_ptr, zv_ptr, dq_ptr,
     T, H, HKV, G, D, NT, scale, eps,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """grid (NT, B*H): dq of query head h in chunk c: σ (da1 + √2 q~ ⊙ da2) with
-    da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ (dO and S_t a V-block of BV columns at a time)."""
+    da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ (dO and S_t a V-block of BV columns at a time).
+    s_ptr, zv_ptr: the forward's chunk states ([B, H_kv, NT, 2, D, D], [B, H_kv, NT, 3, D])."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -321,8 +448,8 @@ def approx_bwd_dq_kernel(
     q_base = (b * T * H + h) * D
     kv_base = (b * T * HKV + hk) * D
     rd1, rd2, r1, r2 = _bwd_row_terms(den_ptr, r_ptr, pid_bh, rows, row_ok, T, eps)
-    s_base = (st * NT + c) * D * D
-    z_base = (st * NT + c) * 2 * D
+    s_base = (st * NT + c) * 2 * D * D
+    z_base = (st * NT + c) * 3 * D
     da1 = tl.zeros([BT, BD], dtype=tl.float32)
     da2 = tl.zeros([BT, BD], dtype=tl.float32)
     for v0 in range(0, D, BV):  # the earlier chunks' part, (dO/d_t) S_tᵀ
@@ -330,8 +457,8 @@ def approx_bwd_dq_kernel(
         do = _tile(do_ptr + q_base, t0, T, H * D, v_cols, D, BT)
         s_off = s_base + d_cols[:, None] * D + v_cols[None, :]
         s_mask = d_ok[:, None] & (v_cols[None, :] < D)
-        S1 = _operand(tl.load(s1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
-        S2 = _operand(tl.load(s2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        S1 = _operand(tl.load(s_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+        S2 = _operand(tl.load(s_ptr + s_off + D * D, mask=s_mask, other=0.0), q_ptr, DOT_F32)
         da1 += tl.dot(_operand(do * rd1[:, None], q_ptr, DOT_F32), tl.trans(S1),
                       input_precision=PREC)
         da2 += tl.dot(_operand(do * rd2[:, None], q_ptr, DOT_F32), tl.trans(S2),
@@ -339,8 +466,8 @@ def approx_bwd_dq_kernel(
     E1, E2 = _dM_and_E(do_ptr, v_ptr, q_base, kv_base, rd1, rd2, r1, r2, t0, T, H, HKV, D, q_ptr,
                        BT, BV, PREC, DOT_F32)
     b1 = _tile(k_ptr + kv_base, t0, T, HKV * D, d_cols, D, BT) * scale
-    z1 = tl.load(z_ptr + z_base + d_cols, mask=d_ok, other=0.0)
-    z2 = tl.load(z_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
+    z1 = tl.load(zv_ptr + z_base + d_cols, mask=d_ok, other=0.0)
+    z2 = tl.load(zv_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
     da1 += tl.dot(_operand(E1, q_ptr, DOT_F32), _operand(b1, q_ptr, DOT_F32),
                   input_precision=PREC) + r1[:, None] * z1[None, :]
     da2 += tl.dot(_operand(E2, q_ptr, DOT_F32), _operand(_square(b1), q_ptr, DOT_F32),
@@ -353,13 +480,14 @@ def approx_bwd_dq_kernel(
 
 @triton.jit
 def approx_bwd_dk_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, ds1_ptr, ds2_ptr, dz_ptr, dk_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, den_ptr, r_ptr, ds_ptr, dzv_ptr, dk_ptr,
     T, H, HKV, G, D, NT, scale, eps,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """grid (NT, B*H): query head h's share of dk in chunk c ([B, T, H, D]): σ (db1 + √2 k~ ⊙ db2)
-    with db_t = E_tᵀ a_t, plus v dS_tᵀ + dz_t (the later chunks) once per group, from g = 0."""
+    with db_t = E_tᵀ a_t, plus v dS_tᵀ + dz_t (the later chunks) once per group, from g = 0.
+    ds_ptr, dzv_ptr: the reverse states ([B, H_kv, NT, 2, D, D], [B, H_kv, NT, 3, D])."""
     c, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -380,19 +508,20 @@ def approx_bwd_dk_kernel(
     db2 = tl.dot(tl.trans(_operand(E2, q_ptr, DOT_F32)), _operand(_square(a1), q_ptr, DOT_F32),
                  input_precision=PREC)
     if h % G == 0:
-        s_base = (st * NT + c) * D * D
-        z_base = (st * NT + c) * 2 * D
+        s_base = (st * NT + c) * 2 * D * D
+        z_base = (st * NT + c) * 3 * D
         for v0 in range(0, D, BV):
             v_cols = v0 + tl.arange(0, BV)
             v = _operand(_tile(v_ptr + kv_base, t0, T, HKV * D, v_cols, D, BT), q_ptr, DOT_F32)
             s_off = s_base + d_cols[:, None] * D + v_cols[None, :]
             s_mask = d_ok[:, None] & (v_cols[None, :] < D)
-            dS1 = _operand(tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
-            dS2 = _operand(tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+            dS1 = _operand(tl.load(ds_ptr + s_off, mask=s_mask, other=0.0), q_ptr, DOT_F32)
+            dS2 = _operand(tl.load(ds_ptr + s_off + D * D, mask=s_mask, other=0.0), q_ptr,
+                           DOT_F32)
             db1 += tl.dot(v, tl.trans(dS1), input_precision=PREC)
             db2 += tl.dot(v, tl.trans(dS2), input_precision=PREC)
-        dz1 = tl.load(dz_ptr + z_base + d_cols, mask=d_ok, other=0.0)
-        dz2 = tl.load(dz_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
+        dz1 = tl.load(dzv_ptr + z_base + d_cols, mask=d_ok, other=0.0)
+        dz2 = tl.load(dzv_ptr + z_base + D + d_cols, mask=d_ok, other=0.0)
         valid = row_ok[:, None]  # padded tokens get no dz
         db1 += tl.where(valid, dz1[None, :], 0.0)
         db2 += tl.where(valid, dz2[None, :], 0.0)
@@ -404,13 +533,14 @@ def approx_bwd_dk_kernel(
 
 @triton.jit
 def approx_bwd_dv_kernel(
-    q_ptr, k_ptr, do_ptr, den_ptr, ds1_ptr, ds2_ptr, dsv_ptr, dv_ptr,
+    q_ptr, k_ptr, do_ptr, den_ptr, ds_ptr, dzv_ptr, dv_ptr,
     T, H, HKV, G, D, NT, L0, scale, eps,
     BT: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     """grid (cdiv(D, BV), NT, B*H): query head h's share of dv ([B, T, H, D]):
-    tril(A1/d1 + A2/d2 + 1/n)ᵀ dO, plus b1 dS1 + b2 dS2 + dsv once per group (g = 0)."""
+    tril(A1/d1 + A2/d2 + 1/n)ᵀ dO, plus b1 dS1 + b2 dS2 + dsv once per group (g = 0).
+    ds_ptr, dzv_ptr: the reverse states ([B, H_kv, NT, 2, D, D], [B, H_kv, NT, 3, D])."""
     pid_v, c, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
@@ -440,15 +570,15 @@ def approx_bwd_dv_kernel(
     dv = tl.dot(tl.trans(_operand(P, q_ptr, DOT_F32)), _operand(do, q_ptr, DOT_F32),
                 input_precision=PREC)
     if h % G == 0:
-        s_off = (st * NT + c) * D * D + d_cols[:, None] * D + v_cols[None, :]
+        s_off = (st * NT + c) * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
         s_mask = (d_cols[:, None] < D) & v_ok[None, :]
-        dS1 = tl.load(ds1_ptr + s_off, mask=s_mask, other=0.0)
-        dS2 = tl.load(ds2_ptr + s_off, mask=s_mask, other=0.0)
+        dS1 = tl.load(ds_ptr + s_off, mask=s_mask, other=0.0)
+        dS2 = tl.load(ds_ptr + s_off + D * D, mask=s_mask, other=0.0)
         dv += tl.dot(_operand(b1, q_ptr, DOT_F32), _operand(dS1, q_ptr, DOT_F32),
                      input_precision=PREC)
         dv += tl.dot(_operand(b2, q_ptr, DOT_F32), _operand(dS2, q_ptr, DOT_F32),
                      input_precision=PREC)
-        dsv = tl.load(dsv_ptr + (st * NT + c) * D + v_cols, mask=v_ok, other=0.0)
+        dsv = tl.load(dzv_ptr + (st * NT + c) * 3 * D + 2 * D + v_cols, mask=v_ok, other=0.0)
         dv += dsv[None, :]
     offs = q_base + rows[:, None] * (H * D) + v_cols[None, :]
     tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=row_ok[:, None] & v_ok[None, :])

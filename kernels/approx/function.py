@@ -16,14 +16,17 @@ import triton
 
 from megatron_subq.ops.dispatch import triton_interpreting
 
+from ..scan import scan_pair as _scan_pair
 from ..common import check_chunk_kernel_inputs, check_int32_offsets
 
 from .chunk import (
+    approx_bwd_delta_kernel,
     approx_bwd_dk_kernel,
     approx_bwd_dq_kernel,
     approx_bwd_dv_kernel,
     approx_bwd_prep_kernel,
     approx_bwd_states_kernel,
+    approx_fwd_delta_kernel,
     approx_fwd_out_kernel,
     approx_fwd_states_kernel,
 )
@@ -48,22 +51,57 @@ def kernel_supports(D: int) -> bool:
 def _launch(D: int, dtype: torch.dtype) -> dict:
     """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
 
-    One option, on by default since its GPU test and A/B (H100, 2026-11-22: fwd+bwd 3.59 →
-    3.10 ms at T = 16K, H = 16, D = 128, bf16; docs/benchmarks.md):
+    keep_states (on since its GPU test and A/B, H100, 2026-11-22: fwd+bwd 3.59 → 3.10 ms at
+    T = 16K, H = 16, D = 128, bf16, sequential scans; docs/benchmarks.md): the forward saves the
+    chunk states it computed (S1, S2 entering every chunk, 2·B·H_kv·NT·D·D values in
+    ``state_dtype``, plus z1, z2, sv, 3·B·H_kv·NT·D fp32 values) for the backward, which
+    otherwise recomputes them — memory traded for time. S1, S2 are D / (BT·G) times the size of
+    o1, o2, which the forward saves anyway: at H_kv = 16, D = 128, T = 16K in bf16, 268 MB per
+    layer.
 
-    * keep_states: the forward saves the chunk states it computed (S1, S2 entering every chunk,
-      2·B·H_kv·NT·D·D values in ``state_dtype``, plus z and sv, 3·B·H_kv·NT·D fp32 values) for
-      the backward, which otherwise reruns the sequential state scan (~500 us of the 3.6 ms
-      fwd + bwd at that size) — memory traded for time. S1, S2 are
-      D / (BT·G) times the size of o1, o2, which the forward saves anyway: at H_kv = 16,
-      D = 128, T = 16K in bf16, 268 MB per layer.
+    scan: how the chunk-state scans run (forward states and the backward's reverse states;
+    chunk.py's docstring):
+
+    * "parallel" (default): a delta kernel parallel over all chunks (grid
+      (D/BK_delta · D/BV_delta, NT, B·H_kv), ``delta_warps`` warps, ``delta_stages``; each
+      program computes its chunk's [BK_delta, BV_delta] blocks of ΔS1 and ΔS2 with tensor-core
+      dots — two fp32 accumulators, 64 x 64 at D = 128 — and its share of the vector deltas),
+      then the streaming prefix sum over chunks shared with ASA (``chunk_scan_pair_kernel``:
+      S and the z1, z2, sv vectors in one launch, grid
+      (cdiv(2D², scan_block) + cdiv(3D, scan_block), B·H_kv); ``scan_block`` values per program, ``scan_unroll`` chunks loaded per step,
+      ``scan_warps``, ``scan_stages``; fp32 running sums). Per chunk and KV head the deltas
+      are 2·D² values (+ 3·D fp32), written once and read once by the scan, which writes the
+      states (2·D² in ``state_dtype``): at D = 128 in bf16 64 KB + 64 KB + 64 KB, ≈ 805 MB per
+      pass at T = 16K, H_kv = 16 (plus k, v or q, dO read by the delta kernel, twice at
+      D = 128: once per 64-column block) — memory-bound, where the sequential walk is
+      latency-bound.
+    * "sequential": one program per ``BK_state × BV_state`` block of S and (batch, KV head)
+      walks every chunk in order with a matmul per chunk (500 µs forward, 872 µs backward at
+      16K on an H100, latency-bound; fewer bytes: no deltas).
+
+    Not yet measured on a GPU (docs/benchmarks.md); ``{"scan": "sequential"}`` A/Bs it.
+
+    deltas_half (on for bf16 inputs, as ASA's): the parallel scan's per-chunk deltas in bf16
+    (the scan sums them in fp32; the chunk states are rounded to bf16 for the tensor cores
+    anyway), halving the delta bytes. The fp32 final state (prefill) then carries the deltas'
+    bf16 rounding: ≈ 3e-3 relative to the sequential scan's in the interpreter tests, within
+    bf16's bound. fp32 inputs keep fp32 deltas; fp16 inputs too (range: a chunk's delta sums 64
+    tokens' products, and fp16 stops at 65504 where bf16 has fp32's range).
+
+    state_dtype: the stored chunk states (S, and the backward's dS) in the inputs' dtype for
+    bf16/fp16 — the output and gradient kernels round them to it for their tensor-core dots
+    anyway — fp32 for fp32 inputs; z1, z2, sv, their reverse counterparts, every running sum
+    and the final state are fp32 on both paths. fp16 range: S is a sum over every earlier token
+    (≈ T·|k~||v|), which can pass fp16's 65504 at long T with large activations; storing it in
+    fp32 would not help while the dots take fp16 operands (as before this scan existed): use
+    bf16 for long sequences.
 
     ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON) overrides any key, read on every call.
     """
     BD = max(16, triton.next_power_of_2(D))
     cfg = dict(
         BT=CHUNK, BD=BD,
-        # S blocks of the state scans, one program each: 2 x 4 blocks per head at D = 128
+        # S blocks of the sequential state scans, one program each: 2 x 4 blocks per head at 128
         BK_state=min(64, BD), BV_state=min(32, BD),
         BV_out=min(64, BD),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # ignored for 16-bit operands
@@ -71,36 +109,89 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
         state_dtype=torch.float32 if dtype == torch.float32 else dtype,
         warps=4 if BD <= 64 else 8,
         keep_states=True,
+        scan="parallel",
+        # the delta kernels' [BK, BV] blocks of ΔS1, ΔS2 (both in one program) and warps: at
+        # D = 128, bf16, a local sm_90 compile (Triton 3.9, ptxas -v) gives 144 (forward) and
+        # 187 (backward) registers per thread without spills at 64 x 64 and 8 warps; 128 x 64
+        # spills in the backward (~400-600 B), and so do both at 4 warps
+        BK_delta=min(64, BD), BV_delta=min(64, BD), delta_warps=8 if BD >= 64 else 4,
+        delta_stages=3,
+        deltas_half=dtype == torch.bfloat16,
+        scan_block=1024, scan_unroll=8, scan_warps=4, scan_stages=1,
     )
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         cfg.update(json.loads(overrides))
+    if cfg["scan"] not in ("parallel", "sequential"):
+        raise ValueError(f"approx launch config: scan={cfg['scan']!r}; allowed 'parallel' or "
+                         "'sequential'")
     return cfg
 
 
+def _empty_states(B, H_kv, NT, D, dtype, dev):
+    """The chunk-state tensors both scans write: S1, S2 as ``[B, H_kv, NT, 2, D, D]`` in
+    ``dtype`` and z1, z2, sv (or dz1, dz2, dsv) as fp32 ``[B, H_kv, NT, 3, D]``."""
+    return (torch.empty(B, H_kv, NT, 2, D, D, dtype=dtype, device=dev),
+            torch.empty(B, H_kv, NT, 3, D, dtype=torch.float32, device=dev))
+
+
 def _forward_states(k, v, state, cfg, store_final: bool):
-    """Run the state scan: S1, S2 (cfg's state dtype), z (fp32 [.., 2, D]) and sv (fp32) entering
-    every chunk, and the final fp32 state (s1, s2, z1, z2, sv) if asked."""
+    """The states entering every chunk: S (S1, S2; cfg's state dtype, ``[B, H_kv, NT, 2, D, D]``)
+    and zv (z1, z2, sv; fp32 ``[B, H_kv, NT, 3, D]``), and the final fp32 state
+    ``(S [B, H_kv, 2, D, D], zv [B, H_kv, 3, D])`` if asked. ``state``: None or the initial
+    state packed the same way (fp32, contiguous)."""
     B, T, H_kv, D = k.shape
     NT = triton.cdiv(T, cfg["BT"])
     dev = k.device
-    s1 = torch.empty(B, H_kv, NT, D, D, dtype=cfg["state_dtype"], device=dev)
-    s2 = torch.empty_like(s1)
-    z = torch.empty(B, H_kv, NT, 2, D, dtype=torch.float32, device=dev)
-    sv = torch.empty(B, H_kv, NT, D, dtype=torch.float32, device=dev)
+    scale = D ** -0.25
+    if cfg["scan"] == "parallel":
+        half = cfg["deltas_half"] and k.dtype in (torch.float16, torch.bfloat16)
+        ds, dzv = _empty_states(B, H_kv, NT, D, k.dtype if half else torch.float32, dev)
+        n_k, n_v = triton.cdiv(D, cfg["BK_delta"]), triton.cdiv(D, cfg["BV_delta"])
+        approx_fwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
+            k, v, ds, dzv, T, H_kv, D, NT, n_v, scale,
+            BT=cfg["BT"], BK=cfg["BK_delta"], BV=cfg["BV_delta"], PREC=cfg["PREC"],
+            DOT_F32=cfg["DOT_F32"], num_warps=cfg["delta_warps"],
+            num_stages=cfg["delta_stages"])
+        s0, zv0 = state if state is not None else (None, None)
+        return _scan_pair(ds, dzv, s0, zv0, cfg, False, store_final, None, cfg["state_dtype"])
+    s, zv = _empty_states(B, H_kv, NT, D, cfg["state_dtype"], dev)
+    final = None
     if store_final:
-        final = (torch.empty(B, H_kv, D, D, dtype=torch.float32, device=dev),
-                 torch.empty(B, H_kv, D, D, dtype=torch.float32, device=dev),
-                 *(torch.empty(B, H_kv, D, dtype=torch.float32, device=dev) for _ in range(3)))
-    else:
-        final = (s1, s2, z, z, sv)  # never written (STORE_FINAL=False)
-    initial = state if state is not None else (s1, s2, z, z, sv)  # never read without a state
+        final = (torch.empty(B, H_kv, 2, D, D, dtype=torch.float32, device=dev),
+                 torch.empty(B, H_kv, 3, D, dtype=torch.float32, device=dev))
+    initial = state if state is not None else (s, zv)  # never read without a state
     grid = (triton.cdiv(D, cfg["BK_state"]), triton.cdiv(D, cfg["BV_state"]), B * H_kv)
     approx_fwd_states_kernel[grid](
-        k, v, *initial, s1, s2, z, sv, *final, T, H_kv, D, NT, D ** -0.25,
+        k, v, *initial, s, zv, *(final or (s, zv)), T, H_kv, D, NT, scale,
         BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], HAS_STATE=state is not None,
         STORE_FINAL=store_final, PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=4)
-    return s1, s2, z, sv, (final if store_final else None)
+    return s, zv, final
+
+
+def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: float):
+    """The reverse states after every chunk, summed over each GQA group: dS (dS1, dS2; cfg's
+    state dtype, ``[B, H_kv, NT, 2, D, D]``) and dzv (dz1, dz2, dsv; fp32
+    ``[B, H_kv, NT, 3, D]``)."""
+    B, T, H, D = q.shape
+    G, scale = H // H_kv, D ** -0.25
+    if cfg["scan"] == "parallel":
+        half = cfg["deltas_half"] and q.dtype in (torch.float16, torch.bfloat16)
+        ds, dzv = _empty_states(B, H_kv, NT, D, q.dtype if half else torch.float32, q.device)
+        n_k, n_v = triton.cdiv(D, cfg["BK_delta"]), triton.cdiv(D, cfg["BV_delta"])
+        approx_bwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
+            q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, n_v, length0, scale, eps,
+            BT=cfg["BT"], BK=cfg["BK_delta"], BV=cfg["BV_delta"], PREC=cfg["PREC"],
+            DOT_F32=cfg["DOT_F32"], num_warps=cfg["delta_warps"],
+            num_stages=cfg["delta_stages"])
+        return _scan_pair(ds, dzv, None, None, cfg, True, False, None, cfg["state_dtype"])[:2]
+    ds, dzv = _empty_states(B, H_kv, NT, D, cfg["state_dtype"], q.device)
+    grid = (triton.cdiv(D, cfg["BK_state"]), triton.cdiv(D, cfg["BV_state"]), B * H_kv)
+    approx_bwd_states_kernel[grid](
+        q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, length0, scale, eps,
+        BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], PREC=cfg["PREC"],
+        DOT_F32=cfg["DOT_F32"], num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
+    return ds, dzv
 
 
 class ApproxChunkFunction(torch.autograd.Function):
@@ -112,49 +203,52 @@ class ApproxChunkFunction(torch.autograd.Function):
         H_kv = k.shape[2]
         G = H // H_kv
         cfg = _launch(D, q.dtype)
-        state = None if s1_0 is None else (s1_0, s2_0, z1_0, z2_0, sv_0)
-        s1, s2, z, sv, final = _forward_states(k, v, state, cfg, bool(output_final_state))
-        NT = s1.shape[2]
+        state = None
+        if s1_0 is not None:  # packed as the scans' initial sums: [B, H_kv, 2, D, D], [.., 3, D]
+            state = (torch.stack((s1_0, s2_0), dim=2).float().contiguous(),
+                     torch.stack((z1_0, z2_0, sv_0), dim=2).float().contiguous())
+        s, zv, final = _forward_states(k, v, state, cfg, bool(output_final_state))
+        NT = s.shape[2]
         o = torch.empty_like(q)
         o1 = torch.empty(B, T, H, D, dtype=cfg["state_dtype"], device=q.device)
         o2 = torch.empty_like(o1)
         den = torch.empty(B, H, 2, T, dtype=torch.float32, device=q.device)
         approx_fwd_out_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
-            q, k, v, s1, s2, z, sv, o, o1, o2, den,
+            q, k, v, s, zv, o, o1, o2, den,
             T, H, H_kv, G, D, NT, length0, D ** -0.25, eps,
             BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
             DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
-        kept = (s1, s2, z, sv) if cfg["keep_states"] else (None,) * 4
-        ctx.save_for_backward(q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0, *kept)
+        kept = (s, zv) if cfg["keep_states"] else (None, None)
+        initial = state if state is not None else (None, None)
+        ctx.save_for_backward(q, k, v, o1, o2, den, *initial, *kept)
         ctx.cfg, ctx.eps, ctx.length0 = cfg, eps, length0
         if final is None:
             return o, None, None, None, None, None
+        # (kv1, kv2, sum_k1, sum_k2, sum_v), each its own contiguous tensor (not views of one
+        # buffer: a decode step updates them in place)
+        final = tuple(t.clone(memory_format=torch.contiguous_format)
+                      for t in (*final[0].unbind(dim=2), *final[1].unbind(dim=2)))
         ctx.mark_non_differentiable(*final)
         return (o, *final)
 
     @staticmethod
     def backward(ctx, d_o, *_d_final):
-        q, k, v, o1, o2, den, s1_0, s2_0, z1_0, z2_0, sv_0, s1, s2, z, sv = ctx.saved_tensors
+        q, k, v, o1, o2, den, s0, zv0, s, zv = ctx.saved_tensors
         cfg, eps, length0 = ctx.cfg, ctx.eps, ctx.length0
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
         d_o = d_o.contiguous()
-        if s1 is None:  # not kept by the forward (cfg keep_states): recomputed
-            state = None if s1_0 is None else (s1_0, s2_0, z1_0, z2_0, sv_0)
-            s1, s2, z, sv, _ = _forward_states(k, v, state, cfg, False)
-        NT = s1.shape[2]
+        if s is None:  # not kept by the forward (cfg keep_states): recomputed
+            state = None if s0 is None else (s0, zv0)
+            s, zv, _ = _forward_states(k, v, state, cfg, False)
+        NT = s.shape[2]
         scale = D ** -0.25
         r = torch.empty_like(den)
         approx_bwd_prep_kernel[(NT, B * H)](
             d_o, o1, o2, den, r, T, H, D, eps, BT=cfg["BT"], BD=cfg["BD"],
             num_warps=cfg["warps"])
-        ds1, ds2, dz, dsv = (torch.empty_like(x) for x in (s1, s2, z, sv))
-        grid = (triton.cdiv(D, cfg["BK_state"]), triton.cdiv(D, cfg["BV_state"]), B * H_kv)
-        approx_bwd_states_kernel[grid](
-            q, d_o, den, r, ds1, ds2, dz, dsv, T, H, H_kv, G, D, NT, length0, scale, eps,
-            BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
+        ds, dzv = _reverse_states(q, d_o, den, r, cfg, H_kv, NT, length0, eps)
         # dk, dv per query head, summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty_like(q)
@@ -163,11 +257,11 @@ class ApproxChunkFunction(torch.autograd.Function):
         common = dict(BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
                       DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
         approx_bwd_dq_kernel[(NT, B * H)](
-            q, k, v, d_o, den, r, s1, s2, z, dq, T, H, H_kv, G, D, NT, scale, eps, **common)
+            q, k, v, d_o, den, r, s, zv, dq, T, H, H_kv, G, D, NT, scale, eps, **common)
         approx_bwd_dk_kernel[(NT, B * H)](
-            q, k, v, d_o, den, r, ds1, ds2, dz, dk_h, T, H, H_kv, G, D, NT, scale, eps, **common)
+            q, k, v, d_o, den, r, ds, dzv, dk_h, T, H, H_kv, G, D, NT, scale, eps, **common)
         approx_bwd_dv_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
-            q, k, d_o, den, ds1, ds2, dsv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
+            q, k, d_o, den, ds, dzv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
             BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
             DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
         if G > 1:
@@ -197,7 +291,7 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
                          "tiles and D x D state blocks outgrow shared memory); use "
                          "impl='reference'")
     check_int32_offsets(op, q=q.numel(), k=k.numel(),
-                        chunk_states=B * H_kv * triton.cdiv(T, CHUNK) * D * D)
+                        chunk_states=2 * B * H_kv * triton.cdiv(T, CHUNK) * D * D)
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:

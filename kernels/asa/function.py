@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 from typing import Optional
 
@@ -20,6 +19,7 @@ import triton
 from megatron_subq.ops.dispatch import triton_interpreting
 
 from ..common import check_int32_offsets
+from ..scan import scan as _scan, scan_pair as _scan_pair
 
 from .chunk import (
     asa_bwd_block_kernel,
@@ -27,8 +27,6 @@ from .chunk import (
     asa_bwd_r_kernel,
     asa_bwd_states_kernel,
     asa_chunk_delta_kernel,
-    asa_chunk_scan_kernel,
-    asa_chunk_scan_pair_kernel,
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
@@ -60,7 +58,7 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
       for the backward, which otherwise recomputes them (a delta kernel and a scan, or the
       sequential state kernel) — memory traded for time;
     * fused_scan: the parallel path's S and z prefix sums (forward states and backward reverse
-      states, packed sequences included) run in one launch (``asa_chunk_scan_pair_kernel``)
+      states, packed sequences included) run in one launch (``chunk_scan_pair_kernel``)
       instead of two;
     * r_kernel: the linear normalisation's r = −(dO·o)/den comes from ``asa_bwd_r_kernel``, which
       reads dO and o once in their own dtype, instead of torch ops on fp32 copies of both.
@@ -170,52 +168,6 @@ def chunk_table(bounds: list, BT: int, device) -> torch.Tensor:
 
 def _num_chunks(T: int, cfg, chunks: Optional[torch.Tensor]) -> int:
     return triton.cdiv(T, cfg["BT"]) if chunks is None else chunks.shape[0]
-
-
-def _scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
-          out_dtype=torch.float32):
-    """Exclusive prefix sums of ``delta`` [B, H, NT, ...] over chunks (fp32 sums, stored in
-    ``out_dtype``); the final sum too (fp32).
-    With a chunk table (packed sequences) the sums restart at every sequence."""
-    B, H, NT = delta.shape[:3]
-    L = math.prod(delta.shape[3:])  # values per chunk (shape arithmetic: no view per call)
-    out = torch.empty_like(delta, dtype=out_dtype)
-    final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
-                        device=delta.device) if store_final else out
-    asa_chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
-        delta, out, init if init is not None else out, final,
-        chunks if chunks is not None else out, NT, L,
-        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=init is not None,
-        STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
-        num_stages=cfg["scan_stages"])
-    return out, (final if store_final else None)
-
-
-def _scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, chunks=None,
-               out_dtype=torch.float32):
-    """``_scan`` of the S deltas [B, H, NT, m, Dv] and the z deltas [B, H, NT, m] in one launch
-    (cfg fused_scan): (S sums in ``out_dtype``, z sums, (S final, z final) or None)."""
-    B, H, NT = delta.shape[:3]
-    LS, LZ = math.prod(delta.shape[3:]), math.prod(dz.shape[3:])
-    has_init = init is not None
-    out, z_out = torch.empty_like(delta, dtype=out_dtype), torch.empty_like(dz)
-    final, z_final = out, z_out  # unwritten unless store_final
-    if store_final:
-        final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
-                            device=delta.device)
-        z_final = torch.empty((B, H) + tuple(dz.shape[3:]), dtype=torch.float32,
-                              device=dz.device)
-    n_s = triton.cdiv(LS, cfg["scan_block"])
-    asa_chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg["scan_block"]), B * H)](
-        delta, out, init if has_init else out, final,
-        dz, z_out, z_init if has_init else z_out, z_final,
-        chunks if chunks is not None else out, NT, LS, LZ, n_s,
-        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=has_init,
-        STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
-        num_stages=cfg["scan_stages"])
-    return out, z_out, ((final, z_final) if store_final else None)
 
 
 def _state_dtype(x: torch.Tensor, cfg) -> torch.dtype:
