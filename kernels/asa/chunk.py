@@ -140,6 +140,25 @@ def asa_fwd_states_kernel(
 
 
 @triton.jit
+def _out_tile(num, den, qf, p_k, k_base, v_base, k0, t_stop, skt, svt, v_cols, d_cols, D, DV,
+              feat_mask, below, RB: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
+    """One RB × RB tile of the output kernel: a block of queries against the keys k0..k0+RB of
+    their chunk, all of them when the tile is ``below`` the diagonal, else causal (the query
+    block's own keys). Returns (num, den) with the tile's terms added."""
+    dt = qf.dtype
+    key_mask = (k0 + tl.arange(0, RB)) < t_stop
+    kc = _load_rows(k_base, k0, t_stop, skt, d_cols, D, RB).to(dt)
+    vc = _load_rows(v_base, k0, t_stop, svt, v_cols, DV, RB).to(dt)
+    kf = _softmax_features(kc, p_k, feat_mask, key_mask, PREC).to(dt)
+    causal = tl.arange(0, RB)[:, None] >= tl.arange(0, RB)[None, :]
+    A = tl.where(causal | below, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0)
+    num += tl.dot(A.to(dt), vc, input_precision=PREC)
+    if NORM == 0:
+        den += tl.sum(A, axis=1)
+    return num, den
+
+
+@triton.jit
 def asa_fwd_out_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, states_ptr, zs_ptr, seen_ptr, o_ptr, den_ptr,
     chunks_ptr, T, H, G, D, M, DV, NT,
@@ -178,21 +197,21 @@ def asa_fwd_out_kernel(
     if NORM == 0:
         z = tl.load(zs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
         den = tl.sum(qf32 * z[None, :], axis=1)
+    else:
+        den = tl.zeros([RB], dtype=tl.float32)  # unused
     p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
-    diag = tl.arange(0, RB)[:, None] >= tl.arange(0, RB)[None, :]
-    # unrolled, so that a whole-chunk program (NB = 1) is straight-line code: as a one-trip
-    # runtime loop it took 1028 µs instead of 651 at 64K (H100, BT = 128, 2026-11-22)
-    for kb in tl.static_range(NB):
-        if kb <= own:
-            k0 = t0 + kb * RB
-            key_mask = (k0 + tl.arange(0, RB)) < t_stop
-            kc = _load_rows(k_ptr + b * skb + hk * skh, k0, t_stop, skt, d_cols, D, RB).to(dt)
-            vc = _load_rows(v_ptr + b * svb + hk * svh, k0, t_stop, svt, v_cols, DV, RB).to(dt)
-            kf = _softmax_features(kc, p_k, feat_mask, key_mask, PREC).to(dt)
-            A = tl.where(diag | (kb < own), tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0)
-            num += tl.dot(A.to(dt), vc, input_precision=PREC)
-            if NORM == 0:
-                den += tl.sum(A, axis=1)
+    k_base = k_ptr + b * skb + hk * skh
+    v_base = v_ptr + b * svb + hk * svh
+    # a whole-chunk program (NB = 1) as straight-line code, blocks as a runtime loop: H100,
+    # 2026-11-22, T = 64K, BT = 128: one chunk as a one-trip loop 1028 µs (straight-line 651);
+    # two blocks of 64 rows looped 572 µs, unrolled with a runtime guard 681
+    if NB == 1:
+        num, den = _out_tile(num, den, qf, p_k, k_base, v_base, t0, t_stop, skt, svt, v_cols,
+                             d_cols, D, DV, feat_mask, False, RB, NORM, PREC)
+    else:
+        for kb in range(0, own + 1):
+            num, den = _out_tile(num, den, qf, p_k, k_base, v_base, t0 + kb * RB, t_stop, skt,
+                                 svt, v_cols, d_cols, D, DV, feat_mask, kb < own, RB, NORM, PREC)
     if NORM == 0:
         # > 0 by construction; the clamp only turns an fp32 underflow 0/0 into 0
         den = tl.maximum(den, 1.1754943508222875e-38)
