@@ -284,7 +284,8 @@ def test_launch_option_row_blocks(launch, normalize, monkeypatch):
 
     monkeypatch.setattr(function, "asa_bwd_block_kernel",
                         Recorded("bwd", function.asa_bwd_block_kernel))
-    monkeypatch.setattr(function, "asa_fwd_out_kernel", Recorded("out", function.asa_fwd_out_kernel))
+    monkeypatch.setattr(function, "asa_fwd_out_kernel",
+                        Recorded("out", function.asa_fwd_out_kernel))
     _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
     bt = cfg.get("BT", 64)
     assert blocks == {"bwd": bt // cfg["bwd_rows"], "out": bt // cfg["out_rows"]}

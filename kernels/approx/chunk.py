@@ -79,6 +79,24 @@ def _safe(den, eps):
 # forward
 # ------------------------------------------------------------------------------------------
 @triton.jit
+def _store_chunk_delta(ds_ptr, dzv_ptr, out, pid_k, pid_v, d_cols, v_cols, D, d1, d2, z1, z2, sv):
+    """Both delta kernels' stores: the [BK, BV] blocks of ΔS1, ΔS2 at ``out`` (= chunk row of
+    ``[B*H_kv, NT, 2, D, D]``) and the vector deltas (z1, z2 from the programs of the first Dv
+    block, sv from those of the first D block) into ``[B*H_kv, NT, 3, D]``."""
+    d_ok, v_ok = d_cols < D, v_cols < D
+    s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
+    s_mask = d_ok[:, None] & v_ok[None, :]
+    tl.store(ds_ptr + s_off, d1.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    tl.store(ds_ptr + s_off + D * D, d2.to(ds_ptr.dtype.element_ty), mask=s_mask)
+    zv = dzv_ptr + out * 3 * D
+    if pid_v == 0:
+        tl.store(zv + d_cols, z1, mask=d_ok)
+        tl.store(zv + D + d_cols, z2, mask=d_ok)
+    if pid_k == 0:
+        tl.store(zv + 2 * D + v_cols, sv, mask=v_ok)
+
+
+@triton.jit
 def approx_fwd_delta_kernel(
     k_ptr, v_ptr, ds_ptr, dzv_ptr,
     T, HKV, D, NT, NV, scale,
@@ -98,7 +116,6 @@ def approx_fwd_delta_kernel(
     t0 = c * BT
     d_cols = pid_k * BK + tl.arange(0, BK)
     v_cols = pid_v * BV + tl.arange(0, BV)
-    d_ok, v_ok = d_cols < D, v_cols < D
     base = (b * T * HKV + hk) * D
     b1 = _tile(k_ptr + base, t0, T, HKV * D, d_cols, D, BT) * scale  # padded tokens: 0
     b2 = _square(b1)
@@ -106,17 +123,8 @@ def approx_fwd_delta_kernel(
     vo = _operand(v, k_ptr, DOT_F32)
     d1 = tl.dot(tl.trans(_operand(b1, k_ptr, DOT_F32)), vo, input_precision=PREC)
     d2 = tl.dot(tl.trans(_operand(b2, k_ptr, DOT_F32)), vo, input_precision=PREC)
-    out = pid_bk * NT + c
-    s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
-    s_mask = d_ok[:, None] & v_ok[None, :]
-    tl.store(ds_ptr + s_off, d1.to(ds_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(ds_ptr + s_off + D * D, d2.to(ds_ptr.dtype.element_ty), mask=s_mask)
-    zv = dzv_ptr + out * 3 * D
-    if pid_v == 0:
-        tl.store(zv + d_cols, tl.sum(b1, axis=0), mask=d_ok)
-        tl.store(zv + D + d_cols, tl.sum(b2, axis=0), mask=d_ok)
-    if pid_k == 0:
-        tl.store(zv + 2 * D + v_cols, tl.sum(v, axis=0), mask=v_ok)
+    _store_chunk_delta(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
+                       tl.sum(b1, axis=0), tl.sum(b2, axis=0), tl.sum(v, axis=0))
 
 
 @triton.jit
@@ -300,7 +308,6 @@ def approx_bwd_delta_kernel(
     count = (L0 + rows + 1).to(tl.float32)
     d_cols = pid_k * BK + tl.arange(0, BK)
     v_cols = pid_v * BV + tl.arange(0, BV)
-    d_ok, v_ok = d_cols < D, v_cols < D
     d1 = tl.zeros([BK, BV], dtype=tl.float32)
     d2 = tl.zeros([BK, BV], dtype=tl.float32)
     dz1 = tl.zeros([BK], dtype=tl.float32)
@@ -325,17 +332,8 @@ def approx_bwd_delta_kernel(
         dop = _operand(do, q_ptr, DOT_F32)
         d1 = tl.dot(tl.trans(g1), dop, acc=d1, input_precision=PREC)
         d2 = tl.dot(tl.trans(g2), dop, acc=d2, input_precision=PREC)
-    out = pid_bk * NT + c
-    s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
-    s_mask = d_ok[:, None] & v_ok[None, :]
-    tl.store(ds_ptr + s_off, d1.to(ds_ptr.dtype.element_ty), mask=s_mask)
-    tl.store(ds_ptr + s_off + D * D, d2.to(ds_ptr.dtype.element_ty), mask=s_mask)
-    zv = dzv_ptr + out * 3 * D
-    if pid_v == 0:
-        tl.store(zv + d_cols, dz1, mask=d_ok)
-        tl.store(zv + D + d_cols, dz2, mask=d_ok)
-    if pid_k == 0:
-        tl.store(zv + 2 * D + v_cols, dsv, mask=v_ok)
+    _store_chunk_delta(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
+                       dz1, dz2, dsv)
 
 
 @triton.jit

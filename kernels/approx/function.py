@@ -68,18 +68,20 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
       dots — two fp32 accumulators, 64 x 64 at D = 128 — and its share of the vector deltas),
       then the streaming prefix sum over chunks shared with ASA (``chunk_scan_pair_kernel``:
       S and the z1, z2, sv vectors in one launch, grid
-      (cdiv(2D², scan_block) + cdiv(3D, scan_block), B·H_kv); ``scan_block`` values per program, ``scan_unroll`` chunks loaded per step,
-      ``scan_warps``, ``scan_stages``; fp32 running sums). Per chunk and KV head the deltas
-      are 2·D² values (+ 3·D fp32), written once and read once by the scan, which writes the
-      states (2·D² in ``state_dtype``): at D = 128 in bf16 64 KB + 64 KB + 64 KB, ≈ 805 MB per
-      pass at T = 16K, H_kv = 16 (plus k, v or q, dO read by the delta kernel, twice at
-      D = 128: once per 64-column block) — memory-bound, where the sequential walk is
-      latency-bound.
+      (cdiv(2D², scan_block) + cdiv(3D, scan_block), B·H_kv); ``scan_block`` values per
+      program, ``scan_unroll`` chunks loaded per step, ``scan_warps``, ``scan_stages``; fp32
+      running sums). Per chunk and KV head the deltas are 2·D² values (+ 3·D fp32), written
+      once and read once by the scan, which writes the states (2·D² in ``state_dtype``): at
+      D = 128 in bf16 64 KB + 64 KB + 64 KB, ≈ 805 MB per pass at T = 16K, H_kv = 16 (plus k,
+      v or q, dO read by the delta kernel, twice at D = 128: once per 64-column block) —
+      memory-bound, where the sequential walk is latency-bound.
     * "sequential": one program per ``BK_state × BV_state`` block of S and (batch, KV head)
       walks every chunk in order with a matmul per chunk (500 µs forward, 872 µs backward at
       16K on an H100, latency-bound; fewer bytes: no deltas).
 
-    Not yet measured on a GPU (docs/benchmarks.md); ``{"scan": "sequential"}`` A/Bs it.
+    H100 A/B (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16; docs/benchmarks.md):
+    fwd+bwd 3.04 → 2.75 ms at 16K and 12.02 → 10.82 ms at 64K (parallel against sequential);
+    all 30 approx GPU tests pass on both paths.
 
     deltas_half (on for bf16 inputs, as ASA's): the parallel scan's per-chunk deltas in bf16
     (the scan sums them in fp32; the chunk states are rounded to bf16 for the tensor cores

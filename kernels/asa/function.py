@@ -70,8 +70,9 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
     states_half (on for bf16 inputs): the chunk states S_c and dS_c (the scans' outputs, read
     by the output and gradient kernels) stored in bf16; the running sums and the final state
     stay fp32 (the per-chunk deltas: deltas_half). H100, CUDA-graph timing, T = 16K
-    (docs/benchmarks.md): fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for fp16 inputs: a state is a
-    sum over every earlier token (≈ T·|v|), past fp16's 65504 at long T; bf16 has fp32's range.
+    (docs/benchmarks.md): fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for
+    fp16 inputs: a state is a sum over every earlier token (≈ T·|v|), past fp16's 65504 at
+    long T; bf16 has fp32's range.
 
     deltas_half (on for bf16 inputs; the same reasons as states_half): the per-chunk state
     contributions k'ᵀv and q'ᵀg, written by the delta kernel and read once by the scan, in bf16
