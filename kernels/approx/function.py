@@ -31,7 +31,10 @@ from .chunk import (
     approx_fwd_states_kernel,
 )
 
-CHUNK = 64  # tokens per chunk: the intra-chunk products are BT x BT tensor-core tiles
+# tokens per chunk: the intra-chunk products are BT x BT tensor-core tiles. 128 (a launch
+# override) hit a CUDA illegal memory access in the forward on an H100 (2026-11-22; the
+# interpreter passes): only 64 is verified on the GPU
+CHUNK = 64
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
 LAUNCH_ENV = "MEGATRON_SUBQ_APPROX_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
