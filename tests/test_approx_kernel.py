@@ -287,7 +287,7 @@ def test_launch_option_with_initial_state(option, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
-# the chunk-state scans: "parallel" (per-chunk deltas + ASA's prefix sum) and "sequential"
+# the chunk-state scans: "parallel" (per-chunk deltas + kernels/scan.py's prefix sum), "sequential"
 # ------------------------------------------------------------------------------------------
 SCANS = ("parallel", "sequential")
 
