@@ -31,9 +31,12 @@ from .chunk import (
     approx_fwd_states_kernel,
 )
 
-# tokens per chunk: the intra-chunk products are BT x BT tensor-core tiles. 128 (a launch
-# override) hit a CUDA illegal memory access in the forward on an H100 (2026-11-22; the
-# interpreter passes): only 64 is verified on the GPU
+# tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles, and the chunk
+# states (two D x D per chunk) shrink with longer chunks. 128 (launch override {"BT": 128}) was
+# faster on an H100 (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16: fwd+bwd 2.84 → 2.47
+# ms at 16K, 11.17 → 9.66 ms at 64K) but its GPU tests have not run yet, so 64 stays the
+# default. On the GPU a small fp32 case printed nothing within 120 s at 128, and 128 with
+# BV_out 32 ended in a CUDA illegal memory access. The interpreter tests run 128 as well.
 CHUNK = 64
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
@@ -295,8 +298,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "
                          "impl='reference'")
+    chunk = _launch(D, q.dtype)["BT"]
     check_int32_offsets(op, q=q.numel(), k=k.numel(),
-                        chunk_states=2 * B * H_kv * triton.cdiv(T, CHUNK) * D * D)
+                        chunk_states=2 * B * H_kv * triton.cdiv(T, chunk) * D * D)
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:
