@@ -33,6 +33,7 @@ from megatron_subq.testing.kernels import (  # noqa: E402
     count_calls,
     graph_replay_matches_eager,
     kernel_package,
+    record_launches,
     rel_rms,
 )
 
@@ -269,27 +270,15 @@ ROW_BLOCKS = [('{"bwd_rows": 64, "out_rows": 64}', n) for n in ASA_NORMALIZE_MOD
 def test_launch_option_row_blocks(launch, normalize, monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, launch)
     cfg = json.loads(launch)
-    blocks = {"bwd": 0, "out": 0}
-    function = KERNEL.function
-
-    class Recorded:  # the programs per chunk of each gradient / output launch
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                blocks[self.name] = kwargs["BT"] // kwargs["RB"]
-                return self.kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(function, "asa_bwd_block_kernel",
-                        Recorded("bwd", function.asa_bwd_block_kernel))
-    monkeypatch.setattr(function, "asa_fwd_out_kernel",
-                        Recorded("out", function.asa_fwd_out_kernel))
+    bwd = record_launches(monkeypatch, KERNEL.function, "asa_bwd_block_kernel")
+    out = record_launches(monkeypatch, KERNEL.function, "asa_fwd_out_kernel")
     _compare((2, 130, 4, 2, 32, 16, 24), normalize, torch.float32)
     bt = cfg.get("BT", 64)
-    assert blocks == {"bwd": bt // cfg["bwd_rows"], "out": bt // cfg["out_rows"]}
-    assert len(set(blocks.values()) | {2}) > 1  # not the interpreter's default
+    # the programs per chunk of every gradient / output launch
+    bwd_blocks = {kw["BT"] // kw["RB"] for kw in bwd}
+    out_blocks = {kw["BT"] // kw["RB"] for kw in out}
+    assert (bwd_blocks, out_blocks) == ({bt // cfg["bwd_rows"]}, {bt // cfg["out_rows"]})
+    assert (bwd_blocks | out_blocks) - {2}  # not the interpreter's default
     _compare_packed(normalize, torch.float32)
     _check_prefill_decode(normalize)
 

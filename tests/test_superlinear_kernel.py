@@ -33,6 +33,7 @@ from megatron_subq.testing.kernels import (  # noqa: E402
     DEVICE,
     graph_replay_matches_eager,
     kernel_package,
+    record_launches,
     rel_rms,
 )
 
@@ -119,18 +120,6 @@ NO_OPTIONS = ('{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": fal
               % FUSED_OFF)
 
 
-class _CountedLaunches:
-    """Stands in for a Triton kernel in function.py and counts its launches (``kernel[grid]``),
-    so a test sees the option taken, not only results that would also match without it."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 DKDV_OPTIONS = {"window": (WINDOW_DKDV, "window_bwd_dkdv_kernel"),
                 "span": (SPAN_DKDV, "span_bwd_dkdv_kernel")}
 
@@ -140,13 +129,12 @@ DKDV_OPTIONS = {"window": (WINDOW_DKDV, "window_bwd_dkdv_kernel"),
 def test_dkdv_option_matches_reference_fp32(shape, knobs, option, monkeypatch):
     launch, kernel = DKDV_OPTIONS[option]
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    counted = _CountedLaunches(getattr(KERNEL.function, kernel))
-    monkeypatch.setattr(KERNEL.function, kernel, counted)
+    launches = record_launches(monkeypatch, KERNEL.function, kernel)
     _compare(shape, knobs, torch.float32)
     window = ops.superlinear.superlinear_window(knobs.get("search_power", 0.5),
                                                 knobs.get("sw_index", 0))
     # once per backward; the window's only where there is a window
-    assert counted.launches == (1 if option == "span" or window > 0 else 0)
+    assert len(launches) == (1 if option == "span" or window > 0 else 0)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_m=32, block_n=16), dict(block_m=16, block_n=32)])
@@ -198,20 +186,6 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
     assert [e for e in einsums if e in ("bthk,bthkd->bthd", "bthd,bthkd->bthk")]
 
 
-class _LaunchRecorder:
-    """Stands in for a kernel and records one keyword argument of each launch (``key``: MERGE,
-    BLOCK_N...) in ``values``, so a test sees what reached the kernel."""
-
-    def __init__(self, kernel, key):
-        self.kernel, self.key, self.values = kernel, key, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.values.append(kwargs[self.key])
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 @pytest.mark.parametrize("tiles", [
     dict(block_m=32, block_n=16),
     # every kind of kernel with its own tiles, as on a GPU (query-centric 128 x 32, key-centric
@@ -221,14 +195,12 @@ class _LaunchRecorder:
 def test_tiles_from_launch_options(tiles, monkeypatch):
     """LaunchConfig fields from the launch options (the A/B runs' knob) reach the kernels."""
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(tiles))
-    span = _LaunchRecorder(KERNEL.function.span_fwd_kernel, "BLOCK_N")
-    dkdv = _LaunchRecorder(KERNEL.function.window_bwd_dkdv_kernel, "BLOCK_N")
-    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
-    monkeypatch.setattr(KERNEL.function, "window_bwd_dkdv_kernel", dkdv)
+    span = record_launches(monkeypatch, KERNEL.function, "span_fwd_kernel")
+    dkdv = record_launches(monkeypatch, KERNEL.function, "window_bwd_dkdv_kernel")
     _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32)
     _compare((2, 37, 4, 2, 8), dict(sw_index=1, forward_factor=0.5), torch.float32)
-    assert span.values == [16, 16]
-    assert dkdv.values == [tiles.get("window_kv_n", 16)] * 2
+    assert [kw["BLOCK_N"] for kw in span] == [16, 16]
+    assert [kw["BLOCK_N"] for kw in dkdv] == [tiles.get("window_kv_n", 16)] * 2
 
 
 # launch option fused_merge (on): the span/window log-sum-exp merge in the span kernel's
@@ -244,10 +216,9 @@ def test_fused_merge_fp32(shape, knobs, place, monkeypatch):
     """Windows, no window, queries without anchors, GQA; the merge runs where asked."""
     launch, span_merge = MERGE_PLACES[place]
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    span = _LaunchRecorder(KERNEL.function.span_fwd_kernel, "MERGE")
-    monkeypatch.setattr(KERNEL.function, "span_fwd_kernel", span)
+    span = record_launches(monkeypatch, KERNEL.function, "span_fwd_kernel")
     _compare(shape, knobs, torch.float32)
-    assert span.values == span_merge
+    assert [kw["MERGE"] for kw in span] == span_merge
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -280,10 +251,8 @@ def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     backward launch, no per-pair dA; one gate backward launch; two sorting launches, whose
     sorted lo, hi the tile ranges reuse)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
-    counted = {name: _CountedLaunches(getattr(KERNEL.function, name))
-               for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
-    for name, stand_in in counted.items():
-        monkeypatch.setattr(KERNEL.function, name, stand_in)
+    launches = {name: record_launches(monkeypatch, KERNEL.function, name)
+                for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
     presorted = []  # span_tile_ranges' calls: with sorted_pairs, on _sorted_pairs' lo/hi
     tile_ranges = KERNEL.function.span_tile_ranges
 
@@ -293,10 +262,10 @@ def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     monkeypatch.setattr(KERNEL.function, "span_tile_ranges", recorded_tile_ranges)
     _compare(shape, knobs, torch.float32)
     options = KERNEL.function.launch_options()
-    assert counted["mix_bwd_kernel"].launches == int(options["fused_mix"])
-    assert counted["gate_bwd_kernel"].launches == int(options["gate_kernel"])
+    assert len(launches["mix_bwd_kernel"]) == int(options["fused_mix"])
+    assert len(launches["gate_bwd_kernel"]) == int(options["gate_kernel"])
     sorting = options["sorted_pairs"] and options["span_dkdv"]
-    assert counted["sort_pairs_kernel"].launches == 2 * int(sorting)
+    assert len(launches["sort_pairs_kernel"]) == 2 * int(sorting)
     assert presorted == ([options["sorted_pairs"]] if options["span_dkdv"] else [])
 
 
@@ -311,10 +280,9 @@ def test_fused_mix_half_dtypes(dtype, variant, monkeypatch):
 def test_without_launch_options_fp32(shape, knobs, monkeypatch):
     """The query-centric backward (atomic dK, dV adds) and the einsum gate, all options off."""
     monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
-    counted = _CountedLaunches(KERNEL.function.span_bwd_dkdv_kernel)
-    monkeypatch.setattr(KERNEL.function, "span_bwd_dkdv_kernel", counted)
+    launches = record_launches(monkeypatch, KERNEL.function, "span_bwd_dkdv_kernel")
     _compare(shape, knobs, torch.float32)
-    assert counted.launches == 0
+    assert launches == []
 
 
 def test_span_tile_ranges_cover_every_reaching_pair():

@@ -58,6 +58,24 @@ def count_calls(monkeypatch, module: ModuleType, names) -> dict:
     return calls
 
 
+def record_launches(monkeypatch, module: ModuleType, name: str) -> list:
+    """Stand in for the Triton kernel ``module.name`` (launched as ``kernel[grid](...)``;
+    pytest's monkeypatch undoes it) and record the keyword arguments of each launch, in order:
+    a test then sees which kernels ran, how often, and with which constexprs (tiles, switches).
+    Returns the live list of ``kwargs`` dicts."""
+    kernel, launches = getattr(module, name), []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs)
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, name, _Recorder())
+    return launches
+
+
 def capture_cuda_graph(fn, warmup: int = 2):
     """``fn()`` warmed up on a side stream (compiles, allocator pools: torch wants no first-time
     work inside a capture), then captured in a CUDA graph. Returns ``(graph, what the captured
