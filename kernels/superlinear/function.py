@@ -17,8 +17,8 @@ The op splits into four parts:
    ``A = (e^{lse_s} o_s + e^{lse_w} o_w) / (e^{lse_s} + e^{lse_w})``.
 4. **Mixture** ``out = sum_slot gate_slot A_slot``. By default parts 3-4 are one autograd
    Function (``SuperlinearMixFunction``): the span kernel's epilogue merges, ``mix_fwd_kernel``
-   mixes in one pass. With the launch option fused_mix off, ``SuperlinearSpanFunction`` returns A and torch
-   mixes.
+   mixes in one pass. With the launch option fused_mix off, ``SuperlinearSpanFunction`` returns
+   A and torch mixes.
 
 Backward of 3-4, with ``lse = logaddexp(lse_s, lse_w)`` per pair and ``Delta = rowsum(dA * A)``:
 the mixture gives ``dA_slot = gate_slot dO`` and ``dgate_slot = dO . A_slot`` (``mix_bwd_kernel``,
@@ -147,8 +147,8 @@ def launch_options() -> dict:
       through the order at every key-block visit (9.7 → 7.5 ms at 32K).
 
     Any field of ``LaunchConfig`` (``block_m``, ``kv_m``, ``num_warps``…; unset) overrides
-    ``launch_config``'s tiles, for A/B runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON) overrides them, read once per op call
-    (and handed to the backward)."""
+    ``launch_config``'s tiles, for A/B runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON)
+    overrides them, read once per op call (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
                    fused_mix=True, gate_kernel=True, sorted_pairs=True)
     overrides = os.environ.get(LAUNCH_ENV)
@@ -213,14 +213,13 @@ def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, wind
 
 
 def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0,
-                           merge: str = "torch"):
+                           fused_merge: bool = False):
     """Per (query, slot) pair: softmax attention over the pair's span keys (outside the window)
     merged with the window by log-sum-exp. q: [B, T, H, D] at positions [start, start + T); k, v:
     [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
     [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
-    lse_w [B*H, T], o_w [B*H, T, D]). ``merge``: where the merge runs — "torch" (passes over the
-    [B*H, T, k, D] fp32 tensors) or "span" (the span kernel's epilogue: launch option
-    fused_merge)."""
+    lse_w [B*H, T], o_w [B*H, T, D]). ``fused_merge`` (the launch option): the merge runs in the
+    span kernel's epilogue, else in torch passes over the [B*H, T, k, D] fp32 tensors."""
     B, T, H, D = q.shape
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
@@ -244,8 +243,8 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
         q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
         *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        PRECISION=prec, MERGE=merge == "span", num_warps=cfg.num_warps)
-    if merge == "span":  # o_s, lse_s already hold the merged output and lse
+        PRECISION=prec, MERGE=fused_merge, num_warps=cfg.num_warps)
+    if fused_merge:  # o_s, lse_s already hold the merged output and lse
         return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
                 lse_w, o_w)
 
@@ -388,7 +387,7 @@ class SuperlinearSpanFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         topk = lo.shape[-1]
         a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
-            q, k, v, lo, hi, window, cfg, merge="span" if options["fused_merge"] else "torch")
+            q, k, v, lo, hi, window, cfg, fused_merge=options["fused_merge"])
         ctx.save_for_backward(q, k, v, order, lo_f, hi_f, a, lse, lse_w)
         ctx.window, ctx.cfg, ctx.options = window, cfg, options
         return a.view(B, H, T, topk, D).permute(0, 2, 1, 3, 4)
@@ -466,7 +465,7 @@ def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, optio
     lse_w) of ``span_attention_forward`` and the output [B, T, H, D] in q's dtype."""
     a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
         q, k, v, lo, hi, window, cfg, start=start,
-        merge="span" if options["fused_merge"] else "torch")
+        fused_merge=options["fused_merge"])
     gate = gate.float().contiguous()  # no copy when the caller passed it so
     B, T, H, topk = gate.shape
     D = a.shape[-1]
@@ -615,7 +614,7 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
         out = _attend_and_mix(q, k, v, gate, lo, hi, plan.plan.window, cfg, options, start)[-1]
         return out.to(out_dtype)
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
-                               merge="span" if options["fused_merge"] else "torch")[0]
+                               fused_merge=options["fused_merge"])[0]
     B, H, D = q.shape[0], q.shape[2], q.shape[3]
     a = a.view(B, H, C, topk, D)
     return _mix(gate, a.permute(0, 2, 1, 3, 4), elementwise).to(out_dtype)
