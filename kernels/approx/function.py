@@ -32,12 +32,13 @@ from .chunk import (
 )
 
 # tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles, and the chunk
-# states (two D x D per chunk) shrink with longer chunks. 128 (launch override {"BT": 128}) was
-# faster on an H100 (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16: fwd+bwd 2.84 → 2.47
-# ms at 16K, 11.17 → 9.66 ms at 64K) but its GPU tests have not run yet, so 64 stays the
-# default. On the GPU a small fp32 case printed nothing within 120 s at 128, and 128 with
-# BV_out 32 ended in a CUDA illegal memory access. The interpreter tests run 128 as well.
+# states (two D x D per chunk) shrink with longer chunks. 16-bit inputs use 128: on an H100
+# (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16) fwd+bwd took 2.84 → 2.47 ms at 16K and
+# 11.17 → 9.66 ms at 64K against 64 (docs/benchmarks.md). fp32 inputs keep 64: their fp32
+# tiles at 128 need twice the registers and shared memory (a small fp32 case printed nothing
+# within 120 s on the GPU at 128). 128 with BV_out 32 ended in a CUDA illegal memory access.
 CHUNK = 64
+CHUNK_HALF = 128
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
 LAUNCH_ENV = "MEGATRON_SUBQ_APPROX_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
@@ -108,7 +109,7 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
     """
     BD = max(16, triton.next_power_of_2(D))
     cfg = dict(
-        BT=CHUNK, BD=BD,
+        BT=CHUNK if dtype == torch.float32 else CHUNK_HALF, BD=BD,
         # S blocks of the sequential state scans, one program each: 2 x 4 blocks per head at 128
         BK_state=min(64, BD), BV_state=min(32, BD),
         BV_out=min(64, BD),
