@@ -106,6 +106,15 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 29, 4, 2, 16), dict(sw_index=1, forward_factor=0.5), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unmasked_key_blocks(dtype):
+    """Spans of ~180 keys and a 48-key window, i.e. longer than a 16-row tile plus a 16-key
+    block: the forward kernels take their middle key blocks without masks (the rows of a
+    tile all see them) and the edges with; ragged T, GQA, a pair tile with dead rows."""
+    _compare((1, 300, 4, 2, 16), dict(span_power=2 / 3, backward_factor=3.0, forward_factor=1.0,
+                                      sw_index=6), dtype)
+
+
 # launch options window_dkdv and span_dkdv (on by default): dK, dV key-centric, no atomics;
 # each alone, both, and neither (the query-centric backward with atomic adds)
 LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
@@ -116,8 +125,8 @@ BOTH_DKDV = '{"window_dkdv": true, "span_dkdv": true}'
 # mixture and the gate, and the span dK/dV kernel's gathered loads
 FUSED_OFF = ('"fused_merge": false, "fused_mix": false, "gate_kernel": false, '
              '"sorted_pairs": false')
-NO_OPTIONS = ('{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false, %s}'
-              % FUSED_OFF)
+NO_OPTIONS = ('{"window_dkdv": false, "span_dkdv": false, "elementwise_mix": false, '
+              '"group_search": false, %s}' % FUSED_OFF)
 
 
 DKDV_OPTIONS = {"window": (WINDOW_DKDV, "window_bwd_dkdv_kernel"),
@@ -346,6 +355,57 @@ def test_topk_ties_go_to_the_nearest_anchor():
     assert sel_t[0, 0, 39].tolist() == [36, 31]  # offsets 3 and 8
 
 
+# GQA groups of GROUP_SEARCH_MIN or more heads take the grouped search: groups of 4, 5 (padded
+# to the product's 16 rows), 16; ragged T; 19 candidate anchors at T = 400, i.e. two blocks of
+# 16 per step (the interpreter's search_anchors)
+GROUPED = [((2, 400, 4, 1, 8), dict(topk=2, sw_index=1)),
+           ((1, 70, 10, 2, 16), dict(topk=3, search_power=1 / 3, sw_index=0)),
+           ((1, 45, 16, 1, 8), dict(topk=2, sw_index=2))]
+
+
+@pytest.mark.parametrize("shape,knobs", GROUPED, ids=[f"g{c[0][2] // c[0][3]}" for c in GROUPED])
+def test_grouped_search_matches_reference(shape, knobs, monkeypatch):
+    B, T, H, H_kv, D = shape
+    q, q_s, k, v = (x.detach() for x in _inputs(B, T, H, H_kv, D, torch.float32, seed=4))
+    power, sw_index = knobs.get("search_power", 0.5), knobs["sw_index"]
+    offsets = torch.tensor(ops.superlinear.anchor_offsets(T, power, sw_index), dtype=torch.int32,
+                           device=DEVICE)
+    cfg = KERNEL.launch_config(D)
+    launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
+    grouped = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg)
+    assert len(launches) == 1 and launches[0]["BLOCK_A"] == cfg.search_anchors
+    per_head = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg, grouped=False)
+    assert len(launches) == 1  # grouped=False: the per-head kernel
+    ref = superlinear_topk_reference(q_s, k, power, sw_index, knobs["topk"])
+    assert torch.equal(grouped[0].transpose(1, 2).long(), ref)
+    assert torch.equal(grouped[0], per_head[0])
+    torch.testing.assert_close(grouped[1], per_head[1], rtol=1e-5, atol=1e-5)
+    # a chunked-prefill call (positions from start on) keeps the same anchors
+    start = T // 2
+    tail = KERNEL.search_topk(q_s[:, start:].contiguous(), k, offsets, knobs["topk"], cfg,
+                              start=start)
+    assert torch.equal(tail[0], grouped[0][:, :, start:])
+
+
+def test_grouped_search_ties_go_to_the_nearest_anchor():
+    """q_s = 0 makes every score tie, within an anchor block and across blocks."""
+    B, T, H, D = 1, 300, 4, 8  # 17 candidate anchors: two blocks
+    q, q_s, k, v = (x.detach() for x in _inputs(B, T, H, 1, D, torch.float32))
+    offsets = torch.tensor(ops.superlinear.anchor_offsets(T, 0.5, 0), dtype=torch.int32,
+                           device=DEVICE)
+    sel_t, _ = KERNEL.search_topk(torch.zeros_like(q_s), k, offsets, 3, KERNEL.launch_config(D))
+    ref = superlinear_topk_reference(torch.zeros_like(q_s), k, 0.5, 0, 3)
+    assert torch.equal(sel_t.transpose(1, 2).long(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grouped_search_in_the_op(dtype, monkeypatch):
+    """The whole op (forward, every gradient) at a group of 4, through the grouped search."""
+    launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
+    _compare((1, 41, 4, 1, 16), dict(sw_index=1, forward_factor=0.5), dtype)
+    assert len(launches) == 1
+
+
 def test_dispatch():
     q, q_s, k, v = (x.detach() for x in _inputs(1, 9, 2, 1, 8, torch.float32))
     if DEVICE == "cpu":
@@ -403,10 +463,13 @@ def test_repeated_calls_are_deterministic_gpu(dtype):
     for _ in range(3):
         out = ops.superlinear_attention(*args, **knobs, impl="kernel")
         runs.append((out.detach(),) + torch.autograd.grad(out, args, d_out))
+    # dk: the atomic sum's order flips last bits; in bf16 one flipped element is ~2^-9 of
+    # itself, and a handful of flips among 768K elements gave 1.25e-5 on an H100 (2026-11-23)
+    dk_bound = 1e-5 if dtype == torch.float32 else 1e-4
     for run in runs[1:]:
         for name, x, first in zip(NAMES, run, runs[0]):
             if name == "dk":
-                assert rel_rms(x, first) < 1e-5, name
+                assert rel_rms(x, first) < dk_bound, name
             else:
                 assert torch.equal(x, first), name
 

@@ -19,6 +19,7 @@
 #   bash tools/gpu_kernel_suite.sh profile          # nonapprox, approx: per-kernel and host time
 #   APPROX_AB='{"scan": "sequential"}' bash tools/gpu_kernel_suite.sh approx-ab  # approx A/B
 #   bash tools/gpu_kernel_suite.sh ppa-long         # PPA vs cuDNN at 32K and 64K
+#   SLP_AB='{"group_search": false}' bash tools/gpu_kernel_suite.sh superlinear-prefill  # prefill A/B, decode
 #   ASA_AB='{"BV_out": 64};{"delta_warps": 4}' ASA_CANDIDATE='{"BV_out": 64}' \
 #     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
 #   bash tools/gpu_kernel_suite.sh linear-check     # asa + nonapprox GPU tests, graph timings
@@ -221,6 +222,27 @@ stage_sparse_bench() {
   grep -v '^{' "$LOGS/bench_sl_profile.log" | tail -40
 }
 
+stage_superlinear_prefill() {
+  # Superlinear prefill (chunked) at the Nemotron layout (32 query / 2 KV heads) with per-kernel
+  # profiles, the default and each launch override of $SLP_AB (';'-separated JSON), one process
+  # each; SLP_LENGTHS (default 32K, 64K); then decode at 64K and 1M unless SLP_DECODE=0
+  local launches launch tag
+  IFS=';' read -ra launches <<< "{}${SLP_AB:+;$SLP_AB}"
+  for launch in "${launches[@]}"; do
+    tag=$(echo "$launch" | tr -dc 'a-z0-9_')
+    MEGATRON_SUBQ_SUPERLINEAR_LAUNCH=$launch timeout "$STAGE_TIMEOUT" $BENCH \
+      --ops superlinear_prefill --heads 32 --kv-heads 2 --profile \
+      --baselines "$([ "$launch" = '{}' ] && echo dense)" --lengths "${SLP_LENGTHS:-32768,65536}" \
+      --json "$LOGS/bench_slp_$tag.json" > "$LOGS/bench_slp_$tag.log" 2>&1
+    echo "superlinear prefill, launch $launch:"
+    grep -E '^ +[0-9]+ |^profile|^ +[0-9.]+ us' "$LOGS/bench_slp_$tag.log" | head -40
+  done
+  [ "${SLP_DECODE:-1}" = 0 ] && return
+  timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear_decode --baselines "" --heads 32 --kv-heads 2 \
+    --profile --lengths 65536,1048576 --json "$LOGS/bench_sld.json" > "$LOGS/bench_sld.log" 2>&1
+  grep -v '^{' "$LOGS/bench_sld.log" | tail -30
+}
+
 stage_profile() {
   # where nonapprox's and approx's time goes at a short and a long length: per-kernel CUDA time,
   # how busy the GPU is kept, and the host's share (asa has its own stage)
@@ -247,8 +269,9 @@ for stage in "$@"; do
     gpu-tests) stage_gpu_tests ;;
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
+    superlinear-prefill) stage_superlinear_prefill ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-bench approx-ab asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-bench approx-ab asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long superlinear-prefill)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -3,7 +3,8 @@ the gate; forward and backward for q, q_s, k, v (GQA).
 
 The op splits into four parts:
 
-1. **Search** (``search_topk_kernel``, no gradient): the kept anchors ``sel_t [B, T, H, k]``
+1. **Search** (``search_topk_kernel`` per head, or ``search_topk_group_kernel`` per GQA group
+   of ``GROUP_SEARCH_MIN`` or more heads; no gradient): the kept anchors ``sel_t [B, T, H, k]``
    (-1 where a query has fewer candidates than k) and their scores.
 2. **Gate** (O(T*k*D)): the kept scores ``q_s(i) . k(t)`` are the search kernel's
    (``KeptScoresFunction``, backward ``gate_bwd_kernel``; launch option gate_kernel, else
@@ -59,7 +60,8 @@ from megatron_subq.ops.dispatch import triton_interpreting
 from ..common import check_int32_offsets
 from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
-from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_topk_kernel,
+from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_topk_group_kernel,
+                      search_topk_kernel,
                       sort_pairs_kernel, span_bwd_dkdv_kernel,
                       span_bwd_kernel, span_fwd_kernel, window_bwd_dkdv_kernel, window_bwd_kernel,
                       window_fwd_kernel)
@@ -72,7 +74,9 @@ class LaunchConfig:
     block_m x block_n: the query-centric attention kernels (window and span forward, their dq
     backward), rows (queries or pairs) x keys per step. kv_m x span_kv_n / window_kv_n: the
     key-centric dK/dV kernels, rows per tile x the program's key block. rows: the per-row
-    kernels (search + top-k, mixture, gate backward, pair sorting)."""
+    kernels (search + top-k, mixture, gate backward, pair sorting). fwd_n: keys per step of
+    the forward kernels (window and span forward; block_m rows). search_anchors: the grouped
+    search's candidate anchors per step (``search_topk_group_kernel``)."""
     block_m: int
     block_n: int
     kv_m: int
@@ -80,6 +84,8 @@ class LaunchConfig:
     window_kv_n: int
     rows: int
     num_warps: int
+    fwd_n: int
+    search_anchors: int = 64  # the grouped search's candidate anchors per step
 
 
 def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optional[int] = None,
@@ -92,17 +98,20 @@ def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optiona
     window forward 1.43 → 0.97, window dq 2.57 → 1.42, against 64 x 64), the span dK/dV kernel
     64 pairs x 32 keys (7.36 → 5.94), the window dK/dV kernel and the per-row kernels 64 (the
     search took 2.67 ms at 64 rows, 4.00 at 128); fp32 (for checking) keeps 64 everywhere,
-    whose tiles fit shared memory."""
+    whose tiles fit shared memory. The forward kernels take 64 keys per step since the seventh
+    session's A/B (2026-11-23, H100, chunked prefill at 64K, 32 query / 2 KV heads: span forward
+    11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32)."""
     bd = max(16, triton.next_power_of_2(head_dim))
     warps = 4 if bd <= 64 else 8
     if block_m or block_n or triton_interpreting():
         m = block_m or (16 if triton_interpreting() else 64)
         n = block_n or (16 if triton_interpreting() else 64)
-        return LaunchConfig(m, n, m, n, n, m, warps)
+        anchors = 16 if triton_interpreting() else 64
+        return LaunchConfig(m, n, m, n, n, m, warps, fwd_n=n, search_anchors=anchors)
     if dtype == torch.float32:
-        return LaunchConfig(64, 64, 64, 64, 64, 64, warps)
+        return LaunchConfig(64, 64, 64, 64, 64, 64, warps, fwd_n=64)
     return LaunchConfig(block_m=128, block_n=32, kv_m=64, span_kv_n=32, window_kv_n=64,
-                        rows=64, num_warps=warps)
+                        rows=64, num_warps=warps, fwd_n=64)
 
 
 LAUNCH_ENV = "MEGATRON_SUBQ_SUPERLINEAR_LAUNCH"  # JSON overrides of the options below
@@ -146,11 +155,17 @@ def launch_options() -> dict:
       the sorted pair order (``sort_pairs_kernel``, one pass each) instead of gathering them
       through the order at every key-block visit (9.7 → 7.5 ms at 32K).
 
+    One more, on by default for GQA groups of ``GROUP_SEARCH_MIN`` or more heads:
+
+    * group_search: the search of a KV head's query heads in one program per position
+      (``search_topk_group_kernel``): each candidate key row is loaded once per group instead
+      of once per head, and the scores are tensor-core products.
+
     Any field of ``LaunchConfig`` (``block_m``, ``kv_m``, ``num_warps``…; unset) overrides
     ``launch_config``'s tiles, for A/B runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON)
     overrides them, read once per op call (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
-                   fused_mix=True, gate_kernel=True, sorted_pairs=True)
+                   fused_mix=True, gate_kernel=True, sorted_pairs=True, group_search=True)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -178,20 +193,35 @@ def _attention_args(q, k):
             (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2)))
 
 
+# GQA groups of at least this many query heads take the grouped search (one load of each key
+# row per group, tensor-core scores); smaller groups pad the product's 16 rows too much
+GROUP_SEARCH_MIN = 4
+
+
 def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk: int,
-                cfg: LaunchConfig, start: int = 0):
+                cfg: LaunchConfig, start: int = 0, grouped: bool = True):
     """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf) of the
-    T queries of q_s at positions [start, start + T) (k holds at least the keys up to there)."""
+    T queries of q_s at positions [start, start + T) (k holds at least the keys up to there).
+    ``grouped`` (launch option ``group_search``): GQA groups of ``GROUP_SEARCH_MIN`` or more
+    heads run ``search_topk_group_kernel``, else ``search_topk_kernel`` runs per head."""
     B, T, H, D = q_s.shape
     H_kv = k.shape[2]
+    group = H // H_kv
     sel_t = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_s.device)
     sel_s = torch.empty(B, H, T, topk, dtype=torch.float32, device=q_s.device)
-    grid = (triton.cdiv(T, cfg.rows), B * H)
-    search_topk_kernel[grid](
-        q_s, k, offsets, sel_t, sel_s, T, start, offsets.numel(), H, H // H_kv, D,
-        q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        BLOCK_M=cfg.rows, BLOCK_D=max(16, triton.next_power_of_2(D)), TOPK=topk,
-        TOPK_PAD=max(2, triton.next_power_of_2(topk)), num_warps=cfg.num_warps)
+    args = (q_s, k, offsets, sel_t, sel_s, T, start, offsets.numel(), H, group, D,
+            q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    block_d = max(16, triton.next_power_of_2(D))
+    topk_pad = max(2, triton.next_power_of_2(topk))
+    if grouped and group >= GROUP_SEARCH_MIN:
+        search_topk_group_kernel[(T, B * H_kv)](
+            *args, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_A=cfg.search_anchors,
+            BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad, PRECISION=_precision(q_s.dtype),
+            num_warps=4)
+    else:
+        search_topk_kernel[(triton.cdiv(T, cfg.rows), B * H)](
+            *args, BLOCK_M=cfg.rows, BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad,
+            num_warps=cfg.num_warps)
     return sel_t, sel_s
 
 
@@ -213,13 +243,15 @@ def span_bounds(sel_t: torch.Tensor, back: torch.Tensor, fwd: torch.Tensor, wind
 
 
 def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, start: int = 0,
-                           fused_merge: bool = False):
+                           fused_merge: bool = False, a_dtype: torch.dtype = torch.float32):
     """Per (query, slot) pair: softmax attention over the pair's span keys (outside the window)
     merged with the window by log-sum-exp. q: [B, T, H, D] at positions [start, start + T); k, v:
     [B, TK, H_kv, D], exactly the keys [0, start + T) (loads past TK are masked); lo, hi:
     [B, H, T, k]. Returns (A [B*H, T, k, D] float32, the pair order, lo/hi flat, lse [B*H, T, k],
     lse_w [B*H, T], o_w [B*H, T, D]). ``fused_merge`` (the launch option): the merge runs in the
-    span kernel's epilogue, else in torch passes over the [B*H, T, k, D] fp32 tensors."""
+    span kernel's epilogue, else in torch passes over the [B*H, T, k, D] fp32 tensors.
+    ``a_dtype``: A's dtype with ``fused_merge`` (float32 for training: the gate's gradient
+    reads A; the forward-only prefill stores it in the inputs' dtype, half the bytes)."""
     B, T, H, D = q.shape
     TK, H_kv = k.shape[1], k.shape[2]
     topk = lo.shape[-1]
@@ -227,22 +259,25 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     scale, block_d, prec, strides = _attention_args(q, k)
     dev = q.device
 
-    o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
-    lse_w = torch.full((B * H, T), float("-inf"), dtype=torch.float32, device=dev)
-    if window > 0:
+    if window == 0:  # no window: its output and lse stay 0 and -inf
+        o_w = torch.zeros(B * H, T, D, dtype=torch.float32, device=dev)
+        lse_w = torch.full((B * H, T), float("-inf"), dtype=torch.float32, device=dev)
+    else:  # the window kernel writes every row
+        o_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
+        lse_w = torch.empty(B * H, T, dtype=torch.float32, device=dev)
         window_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
             q, k, v, o_w, lse_w, T, start, TK, H, H // H_kv, D, window, scale, *strides,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, PRECISION=prec,
             num_warps=cfg.num_warps)
 
     lo_f, hi_f = lo.reshape(B * H, P).contiguous(), hi.reshape(B * H, P).contiguous()
     order = torch.sort(lo_f, dim=1, stable=True).indices.to(torch.int32).contiguous()
-    o_s = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
+    o_s = torch.empty(B * H, P, D, dtype=a_dtype if fused_merge else torch.float32, device=dev)
     lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
     # the span kernel's key bound is TK (its pairs index query rows, lo/hi are key positions)
     span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
         q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
-        *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+        *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d,
         PRECISION=prec, MERGE=fused_merge, num_warps=cfg.num_warps)
     if fused_merge:  # o_s, lse_s already hold the merged output and lse
         return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
@@ -459,13 +494,13 @@ class SuperlinearMixFunction(torch.autograd.Function):
 
 
 def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, options: dict,
-                    start: int = 0):
+                    start: int = 0, a_dtype: torch.dtype = torch.float32):
     """Span and window attention (merged where fused_merge says), then the gated mixture in
     ``mix_fwd_kernel`` (launch option fused_mix). Returns the merged (A, order, lo_f, hi_f, lse,
     lse_w) of ``span_attention_forward`` and the output [B, T, H, D] in q's dtype."""
     a, order, lo_f, hi_f, lse, lse_w, _ = span_attention_forward(
         q, k, v, lo, hi, window, cfg, start=start,
-        fused_merge=options["fused_merge"])
+        fused_merge=options["fused_merge"], a_dtype=a_dtype)
     gate = gate.float().contiguous()  # no copy when the caller passed it so
     B, T, H, topk = gate.shape
     D = a.shape[-1]
@@ -498,7 +533,8 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
     plan, offsets = device_plan.plan, device_plan.offsets_i32
 
     with torch.no_grad():
-        sel_t, sel_s = search_topk(q_s, k, offsets, topk, cfg)  # [B, H, T, k]
+        sel_t, sel_s = search_topk(q_s, k, offsets, topk, cfg,  # [B, H, T, k]
+                                   grouped=options["group_search"])
     gate = _gate(q_s, k, sel_t, options["elementwise_mix"],
                  sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
@@ -606,12 +642,14 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     cfg = _tiles(q.shape[-1], block_m, block_n, q.dtype, options)
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
-    sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start)  # [B, H, C, k]
+    sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start,  # [B, H, C, k]
+                               grouped=options["group_search"])
     elementwise = options["elementwise_mix"]
     gate = _gate(q_s, k, sel_t, elementwise, sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
     if options["fused_mix"]:
-        out = _attend_and_mix(q, k, v, gate, lo, hi, plan.plan.window, cfg, options, start)[-1]
+        out = _attend_and_mix(q, k, v, gate, lo, hi, plan.plan.window, cfg, options, start,
+                              a_dtype=q.dtype)[-1]  # forward only: A in the inputs' dtype
         return out.to(out_dtype)
     a = span_attention_forward(q, k, v, lo, hi, plan.plan.window, cfg, start=start,
                                fused_merge=options["fused_merge"])[0]

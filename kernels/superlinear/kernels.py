@@ -10,6 +10,11 @@ block sizes (no autotuning: the same code runs under ``TRITON_INTERPRET=1``).
   q_s . k are kept as a running top-k in registers (insertion in a [BLOCK_M, TOPK_PAD] tile; a
   later, i.e. farther, anchor enters only with a strictly larger score, so ties go to the nearer
   anchor as in the reference). Nothing of size #anchors is written to memory.
+  ``search_topk_group_kernel`` (GQA): one program per (query, b*h_kv) scores all the group's
+  query heads against a block of anchor keys in one tensor-core product, loading each key row
+  once per group instead of once per head.
+* The forward attention kernels keep scores in the log2 domain (``exp2``; their lse is
+  converted back to natural log for the backward kernels, which use ``exp``).
 * ``window_fwd_kernel`` / ``window_bwd_kernel``: causal sliding-window attention (keys
   [i - w + 1, i]) in flash style, returning the normalised output and its log-sum-exp; backward
   with the window's effective dO and D (see ``function.py``), dk/dv by atomic adds (GQA), or
@@ -25,6 +30,28 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _insert_topk(best_s, best_t, s, t, ok, slot, TOPK: tl.constexpr):
+    """Insert one candidate per row (score s, anchor t; rows where ``ok``) into the rows' running
+    top-k lists [R, TOPK_PAD], best first. Slots holding a score >= s stay ahead: candidates
+    arrive nearest first, so a tie keeps the nearer anchor, as in the reference."""
+    real_slot = slot[None, :] < TOPK
+    # shift[j, j'] = (j' == j - 1): moves slot j-1 to slot j
+    shift = slot[None, :] == (slot[:, None] - 1)
+    pos = tl.sum(((best_s >= s[:, None]) & real_slot).to(tl.int32), axis=1)
+    prev_s = tl.max(tl.where(shift[None, :, :], best_s[:, None, :], float("-inf")), axis=2)
+    prev_t = tl.max(tl.where(shift[None, :, :], best_t[:, None, :], -1), axis=2)
+    insert = ok[:, None] & real_slot
+    here = slot[None, :] == pos[:, None]
+    after = slot[None, :] > pos[:, None]
+    best_s = tl.where(insert & here, s[:, None], tl.where(insert & after, prev_s, best_s))
+    best_t = tl.where(insert & here, t[:, None], tl.where(insert & after, prev_t, best_t))
+    return best_s, best_t
 
 
 @triton.jit
@@ -46,9 +73,6 @@ def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, Q0, A, H, GROUP, D,
                  mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
 
     slot = tl.arange(0, TOPK_PAD)
-    real_slot = slot[None, :] < TOPK
-    # shift[j, j'] = (j' == j - 1): moves slot j-1 to slot j
-    shift = slot[None, :] == (slot[:, None] - 1)
     best_s = tl.full([BLOCK_M, TOPK_PAD], float("-inf"), tl.float32)
     best_t = tl.full([BLOCK_M, TOPK_PAD], -1, tl.int32)
     last_query = Q0 + tl.minimum(pid_m * BLOCK_M + BLOCK_M, T) - 1
@@ -60,22 +84,103 @@ def search_topk_kernel(QS, K, OFF, SEL_T, SEL_S, T, Q0, A, H, GROUP, D,
             k = tl.load(K + b * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
                         mask=ok[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
             s = tl.sum(qs * k, axis=1)
-            s = tl.where(ok, s, float("-inf"))
-            # insertion position: slots holding a score >= s stay ahead (ties keep the nearer)
-            pos = tl.sum(((best_s >= s[:, None]) & real_slot).to(tl.int32), axis=1)
-            prev_s = tl.max(tl.where(shift[None, :, :], best_s[:, None, :], float("-inf")), axis=2)
-            prev_t = tl.max(tl.where(shift[None, :, :], best_t[:, None, :], -1), axis=2)
-            insert = ok[:, None] & real_slot
-            here = slot[None, :] == pos[:, None]
-            after = slot[None, :] > pos[:, None]
-            best_s = tl.where(insert & here, s[:, None],
-                              tl.where(insert & after, prev_s, best_s))
-            best_t = tl.where(insert & here, t[:, None],
-                              tl.where(insert & after, prev_t, best_t))
+            best_s, best_t = _insert_topk(best_s, best_t, s, t, ok, slot, TOPK)
     out = pid_bh * T * TOPK + offs_m[:, None] * TOPK + slot[None, :]
-    out_mask = m_mask[:, None] & real_slot
+    out_mask = m_mask[:, None] & (slot[None, :] < TOPK)
     tl.store(SEL_T + out, best_t, mask=out_mask)
     tl.store(SEL_S + out, best_s, mask=out_mask)
+
+
+@triton.jit
+def search_topk_group_kernel(QS, K, OFF, SEL_T, SEL_S, T, Q0, A, H, GROUP, D,
+                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+                             BLOCK_G: tl.constexpr, BLOCK_A: tl.constexpr,
+                             BLOCK_D: tl.constexpr, TOPK: tl.constexpr, TOPK_PAD: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    """The search for GQA: one program per (query row, b * H_kv). The GROUP query heads of a
+    KV head meet the same candidate keys (the anchors depend on the position only), so a block
+    of BLOCK_A anchor rows is loaded once for the group and scored as one [BLOCK_G, BLOCK_A]
+    tensor-core product, where ``search_topk_kernel`` loads it once per head. Each block's
+    top-k (nearest first among equal scores) is then inserted into the running lists."""
+    row = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    H_kv = H // GROUP
+    b = pid_bk // H_kv
+    hk = pid_bk % H_kv
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = hk * GROUP + g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    qs = tl.load(QS + b * s_qb + row * s_qt + heads[:, None] * s_qh + offs_d[None, :],
+                 mask=g_ok[:, None] & d_mask[None, :], other=0.0)
+    pos = Q0 + row
+    slot = tl.arange(0, TOPK_PAD)
+    best_s = tl.full([BLOCK_G, TOPK_PAD], float("-inf"), tl.float32)
+    best_t = tl.full([BLOCK_G, TOPK_PAD], -1, tl.int32)
+    for a0 in range(0, A, BLOCK_A):
+        if tl.load(OFF + a0) <= pos:  # offsets grow: the rest of the table is out of reach
+            offs_a = a0 + tl.arange(0, BLOCK_A)
+            t = pos - tl.load(OFF + offs_a, mask=offs_a < A, other=pos + 1)
+            ok = t >= 0
+            k = tl.load(K + b * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
+                        mask=ok[:, None] & d_mask[None, :], other=0.0)
+            s = tl.dot(qs, tl.trans(k), input_precision=PRECISION)  # [BLOCK_G, BLOCK_A]
+            s = tl.where(ok[None, :], s, float("-inf"))
+            for _ in tl.static_range(TOPK):  # the block's best, then its next best, ...
+                best = tl.max(s, axis=1)
+                nearest = tl.min(tl.where(s == best[:, None], offs_a[None, :], A), axis=1)
+                picked = offs_a[None, :] == nearest[:, None]
+                t_best = tl.max(tl.where(picked, t[None, :], -1), axis=1)
+                best_s, best_t = _insert_topk(best_s, best_t, best, t_best,
+                                              best > float("-inf"), slot, TOPK)
+                s = tl.where(picked, float("-inf"), s)
+    out = (b * H + heads[:, None]) * T * TOPK + row * TOPK + slot[None, :]
+    out_mask = g_ok[:, None] & (slot[None, :] < TOPK)
+    tl.store(SEL_T + out, best_t, mask=out_mask)
+    tl.store(SEL_S + out, best_s, mask=out_mask)
+
+
+@triton.jit
+def _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, n_lo, n_hi, row_lo, row_hi, qk_scale,
+                   TK, offs_n, offs_d, d_mask, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """Online softmax (log2 domain) of the rows of q over the key blocks [n_lo, n_hi) in steps
+    of BLOCK_N; returns (m_i, l_i, acc). MASKED: row r sees keys [row_lo[r], row_hi[r]] only;
+    else the caller guarantees that every row sees every key of these blocks, and the masks'
+    compares and the fully-masked-row guard are skipped."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + offs_n
+        kv_mask = (cols < TK)[:, None] & d_mask[None, :]
+        k = tl.load(k_base + cols[:, None] * s_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * s_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            inside = (cols[None, :] >= row_lo[:, None]) & (cols[None, :] <= row_hi[:, None])
+            s = tl.where(inside, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _blocks_split(first, last_excl, full_lo, full_hi, BLOCK_N: tl.constexpr):
+    """Split the key blocks from ``first`` (a multiple of BLOCK_N) up to ``last_excl`` at the
+    blocks lying wholly in [full_lo, full_hi] (every row sees them): returns (mid_lo, mid_hi),
+    block-aligned, so that [first, mid_lo) and [mid_hi, last_excl) need masks and [mid_lo,
+    mid_hi) does not."""
+    end = tl.cdiv(last_excl, BLOCK_N) * BLOCK_N
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, first), end)
+    mid_hi = tl.maximum(tl.minimum(((full_hi + 1) // BLOCK_N) * BLOCK_N, end), mid_lo)
+    return mid_lo, mid_hi
 
 
 @triton.jit
@@ -96,6 +201,7 @@ def window_fwd_kernel(Q, K, V, O, LSE, T, Q0, TK, H, GROUP, D, W, scale,
     d_mask = offs_d < D
     q = tl.load(Q + b * s_qb + offs_m[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    qk_scale = scale * LOG2E  # scores in the log2 domain (exp2); lse back in ln
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -103,26 +209,24 @@ def window_fwd_kernel(Q, K, V, O, LSE, T, Q0, TK, H, GROUP, D, W, scale,
     q_lo = Q0 + pid_m * BLOCK_M
     lo = tl.maximum(q_lo - W + 1, 0)  # W >= 1 (the host skips an empty window)
     hi = tl.minimum(q_lo + BLOCK_M, Q0 + T)
-    for n0 in range((lo // BLOCK_N) * BLOCK_N, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols < TK)[:, None] & d_mask[None, :]
-        k = tl.load(K + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        inside = (cols[None, :] <= pos[:, None]) & (cols[None, :] > pos[:, None] - W)
-        s = tl.where(inside & (cols < TK)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    first = (lo // BLOCK_N) * BLOCK_N
+    # keys [q_lo + BLOCK_M - W, q_lo] lie in every row's window: no masks there
+    mid_lo, mid_hi = _blocks_split(first, hi, q_lo + BLOCK_M - W, q_lo, BLOCK_N)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_kb + hk * s_kh
+    row_lo = pos - W + 1
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, first, mid_lo, row_lo,
+                                   pos, qk_scale, TK, offs_n, offs_d, d_mask, BLOCK_N, True,
+                                   PRECISION)
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, mid_lo, mid_hi, row_lo,
+                                   pos, qk_scale, TK, offs_n, offs_d, d_mask, BLOCK_N, False,
+                                   PRECISION)
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, mid_hi, hi, row_lo,
+                                   pos, qk_scale, TK, offs_n, offs_d, d_mask, BLOCK_N, True,
+                                   PRECISION)
     has = l_i > 0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     row = pid_bh * T + offs_m
     tl.store(O + row[:, None] * D + offs_d[None, :], o, mask=m_mask[:, None] & d_mask[None, :])
     tl.store(LSE + row, lse, mask=m_mask)
@@ -317,30 +421,29 @@ def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, O_W, LSE_W, T, P, H, GROUP, 
     live = p_mask & (hi >= lo)
     q = tl.load(Q + b * s_qb + qi[:, None] * s_qt + h * s_qh + offs_d[None, :],
                 mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    qk_scale = scale * LOG2E  # scores in the log2 domain (exp2); lse back in ln
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     foot_lo = tl.min(tl.where(live, lo, T), axis=0)
     foot_hi = tl.max(tl.where(live, hi, -1), axis=0)
-    for n0 in range((foot_lo // BLOCK_N) * BLOCK_N, foot_hi + 1, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols < T)[:, None] & d_mask[None, :]
-        k_ptr = b * s_kb + cols[:, None] * s_kt + hk * s_kh + offs_d[None, :]
-        k = tl.load(K + k_ptr, mask=kv_mask, other=0.0)
-        v = tl.load(V + k_ptr, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        inside = (cols[None, :] >= lo[:, None]) & (cols[None, :] <= hi[:, None]) & live[:, None]
-        s = tl.where(inside, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    first = (foot_lo // BLOCK_N) * BLOCK_N
+    # keys [max lo, min hi] of the live pairs lie in every live pair's span: no masks there
+    # (the other rows take them too, and are zeroed below)
+    mid_lo, mid_hi = _blocks_split(first, foot_hi + 1, tl.max(tl.where(live, lo, -1), axis=0),
+                                   tl.min(tl.where(live, hi, T), axis=0), BLOCK_N)
+    k_base = K + b * s_kb + hk * s_kh
+    v_base = V + b * s_kb + hk * s_kh
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, first, mid_lo, lo, hi,
+                                   qk_scale, T, offs_n, offs_d, d_mask, BLOCK_N, True, PRECISION)
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, mid_lo, mid_hi, lo, hi,
+                                   qk_scale, T, offs_n, offs_d, d_mask, BLOCK_N, False, PRECISION)
+    m_i, l_i, acc = _softmax_steps(q, m_i, l_i, acc, k_base, v_base, s_kt, mid_hi, foot_hi + 1,
+                                   lo, hi, qk_scale, T, offs_n, offs_d, d_mask, BLOCK_N, True,
+                                   PRECISION)
+    has = live & (l_i > 0)
+    o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * LN2, float("-inf"))
     if MERGE:
         row = pid_bh * (P // TOPK) + qi
         lse_w = tl.load(LSE_W + row, mask=p_mask, other=float("-inf"))
@@ -348,7 +451,8 @@ def span_fwd_kernel(Q, K, V, ORDER, LO, HI, O, LSE, O_W, LSE_W, T, P, H, GROUP, 
                       mask=p_mask[:, None] & d_mask[None, :], other=0.0)
         o, lse = _lse_merge(o, lse, o_w, lse_w)
     out = pid_bh * P + pair
-    tl.store(O + out[:, None] * D + offs_d[None, :], o, mask=p_mask[:, None] & d_mask[None, :])
+    tl.store(O + out[:, None] * D + offs_d[None, :], o.to(O.dtype.element_ty),
+             mask=p_mask[:, None] & d_mask[None, :])
     tl.store(LSE + out, lse, mask=p_mask)
 
 
@@ -491,7 +595,8 @@ def _row_tile(T, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
 def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
                    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """grid (cdiv(T, BLOCK_M), B*H): the gated mixture OUT[b, t, h] = sum_slot GATE[b, t, h,
-    slot] * A[b*h, t, slot] (A [B*H, T, TOPK, D] float32; OUT [B, T, H, D] in its own dtype), in
+    slot] * A[b*h, t, slot] (A [B*H, T, TOPK, D], float32 or, in the forward-only prefill, the
+    inputs' dtype; OUT [B, T, H, D] in its own dtype), in
     one pass instead of broadcast products and a sum over fp32 tensors.
 
     (A variant that also merged span and window here, writing the merged A back in place, was
@@ -504,7 +609,7 @@ def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
         g = tl.load(GATE + b * s_gb + offs_m * s_gt + h * s_gh + slot, mask=m_mask, other=0.0)
         a = tl.load(A + (row * TOPK + slot)[:, None] * D + offs_d[None, :], mask=md_mask,
                     other=0.0)
-        acc += g[:, None] * a
+        acc += g[:, None] * a.to(tl.float32)
     tl.store(OUT + b * s_ob + offs_m[:, None] * s_ot + h * s_oh + offs_d[None, :],
              acc.to(OUT.dtype.element_ty), mask=md_mask)
 
