@@ -355,12 +355,13 @@ def test_topk_ties_go_to_the_nearest_anchor():
     assert sel_t[0, 0, 39].tolist() == [36, 31]  # offsets 3 and 8
 
 
-# GQA groups of GROUP_SEARCH_MIN or more heads take the grouped search: groups of 4, 5 (padded
-# to the product's 16 rows), 16; ragged T; 19 candidate anchors at T = 400, i.e. two blocks of
+# the grouped search (min_group 1 here: any group size): groups of 4, 5 (padded to the
+# product's 16 rows), 16 and 1; ragged T; 19 candidate anchors at T = 400, i.e. two blocks of
 # 16 per step (the interpreter's search_anchors)
 GROUPED = [((2, 400, 4, 1, 8), dict(topk=2, sw_index=1)),
            ((1, 70, 10, 2, 16), dict(topk=3, search_power=1 / 3, sw_index=0)),
-           ((1, 45, 16, 1, 8), dict(topk=2, sw_index=2))]
+           ((1, 45, 16, 1, 8), dict(topk=2, sw_index=2)),
+           ((1, 300, 3, 3, 8), dict(topk=2, sw_index=0))]  # no GQA: group_search_min 1
 
 
 @pytest.mark.parametrize("shape,knobs", GROUPED, ids=[f"g{c[0][2] // c[0][3]}" for c in GROUPED])
@@ -372,7 +373,7 @@ def test_grouped_search_matches_reference(shape, knobs, monkeypatch):
                            device=DEVICE)
     cfg = KERNEL.launch_config(D)
     launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
-    grouped = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg)
+    grouped = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg, min_group=1)
     assert len(launches) == 1 and launches[0]["BLOCK_A"] == cfg.search_anchors
     per_head = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg, grouped=False)
     assert len(launches) == 1  # grouped=False: the per-head kernel
@@ -383,7 +384,7 @@ def test_grouped_search_matches_reference(shape, knobs, monkeypatch):
     # a chunked-prefill call (positions from start on) keeps the same anchors
     start = T // 2
     tail = KERNEL.search_topk(q_s[:, start:].contiguous(), k, offsets, knobs["topk"], cfg,
-                              start=start)
+                              start=start, min_group=1)
     assert torch.equal(tail[0], grouped[0][:, :, start:])
 
 
@@ -404,6 +405,17 @@ def test_grouped_search_in_the_op(dtype, monkeypatch):
     launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
     _compare((1, 41, 4, 1, 16), dict(sw_index=1, forward_factor=0.5), dtype)
     assert len(launches) == 1
+
+
+@pytest.mark.parametrize("min_group", [1, 8])
+def test_group_search_min_option(min_group, monkeypatch):
+    """Launch option group_search_min: the grouped search from that group size on (1: also
+    without GQA), the per-head kernel below it; both against the reference."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"group_search_min": %d}' % min_group)
+    grouped = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
+    per_head = record_launches(monkeypatch, KERNEL.function, "search_topk_kernel")
+    _compare((1, 41, 2, 2, 16), dict(sw_index=1, forward_factor=0.5), torch.float32)
+    assert (len(grouped), len(per_head)) == ((1, 0) if min_group == 1 else (0, 1))
 
 
 def test_dispatch():

@@ -159,13 +159,15 @@ def launch_options() -> dict:
 
     * group_search: the search of a KV head's query heads in one program per position
       (``search_topk_group_kernel``): each candidate key row is loaded once per group instead
-      of once per head, and the scores are tensor-core products.
+      of once per head, and the scores are tensor-core products; for groups of
+      ``group_search_min`` (default ``GROUP_SEARCH_MIN``) or more query heads.
 
     Any field of ``LaunchConfig`` (``block_m``, ``kv_m``, ``num_warps``…; unset) overrides
     ``launch_config``'s tiles, for A/B runs. ``$MEGATRON_SUBQ_SUPERLINEAR_LAUNCH`` (JSON)
     overrides them, read once per op call (and handed to the backward)."""
     options = dict(window_dkdv=True, span_dkdv=True, elementwise_mix=True, fused_merge=True,
-                   fused_mix=True, gate_kernel=True, sorted_pairs=True, group_search=True)
+                   fused_mix=True, gate_kernel=True, sorted_pairs=True, group_search=True,
+                   group_search_min=GROUP_SEARCH_MIN)
     overrides = os.environ.get(LAUNCH_ENV)
     if overrides:
         options.update(json.loads(overrides))
@@ -194,16 +196,22 @@ def _attention_args(q, k):
 
 
 # GQA groups of at least this many query heads take the grouped search (one load of each key
-# row per group, tensor-core scores); smaller groups pad the product's 16 rows too much
+# row per group, tensor-core scores). Its cost goes with its programs, one per position and KV
+# head: on an H100 (2026-11-23, docs/benchmarks.md) it took 2.0 ms where the per-head kernel took
+# 16.1 at 32 query / 2 KV heads (prefill, 64K), but 15.4 ms against 8.2 without GQA (16 heads,
+# training, 64K; launch option group_search_min 1). Groups of 4 have a quarter of the latter's
+# programs; 2 would be about even.
 GROUP_SEARCH_MIN = 4
 
 
 def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk: int,
-                cfg: LaunchConfig, start: int = 0, grouped: bool = True):
+                cfg: LaunchConfig, start: int = 0, grouped: bool = True,
+                min_group: int = GROUP_SEARCH_MIN):
     """Kept anchors [B, H, T, topk] (int32, -1 = none) and their scores (float32, -inf) of the
     T queries of q_s at positions [start, start + T) (k holds at least the keys up to there).
-    ``grouped`` (launch option ``group_search``): GQA groups of ``GROUP_SEARCH_MIN`` or more
-    heads run ``search_topk_group_kernel``, else ``search_topk_kernel`` runs per head."""
+    ``grouped`` (launch option ``group_search``): GQA groups of ``min_group`` (launch option
+    ``group_search_min``) or more heads run ``search_topk_group_kernel``, else
+    ``search_topk_kernel`` runs per head."""
     B, T, H, D = q_s.shape
     H_kv = k.shape[2]
     group = H // H_kv
@@ -213,7 +221,7 @@ def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk:
             q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2))
     block_d = max(16, triton.next_power_of_2(D))
     topk_pad = max(2, triton.next_power_of_2(topk))
-    if grouped and group >= GROUP_SEARCH_MIN:
+    if grouped and group >= min_group:
         search_topk_group_kernel[(T, B * H_kv)](
             *args, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_A=cfg.search_anchors,
             BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad, PRECISION=_precision(q_s.dtype),
@@ -534,7 +542,8 @@ def superlinear_attention_kernel(q, q_s, k, v, search_power=0.5, span_power=0.5,
 
     with torch.no_grad():
         sel_t, sel_s = search_topk(q_s, k, offsets, topk, cfg,  # [B, H, T, k]
-                                   grouped=options["group_search"])
+                                   grouped=options["group_search"],
+                                   min_group=options["group_search_min"])
     gate = _gate(q_s, k, sel_t, options["elementwise_mix"],
                  sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.back, plan.fwd, plan.window)
@@ -643,7 +652,8 @@ def superlinear_prefill_kernel(q, q_s, k_cache, v_cache, start: int, search_powe
     plan = _device_plan(start, stop, search_power, span_power, backward_factor, forward_factor,
                         sw_index, q.device)
     sel_t, sel_s = search_topk(q_s, k, plan.offsets_i32, topk, cfg, start=start,  # [B, H, C, k]
-                               grouped=options["group_search"])
+                               grouped=options["group_search"],
+                               min_group=options["group_search_min"])
     elementwise = options["elementwise_mix"]
     gate = _gate(q_s, k, sel_t, elementwise, sel_s if options["gate_kernel"] else None, cfg)
     lo, hi = span_bounds(sel_t, plan.plan.back, plan.plan.fwd, plan.plan.window, start=start)
