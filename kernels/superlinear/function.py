@@ -100,7 +100,9 @@ def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optiona
     search took 2.67 ms at 64 rows, 4.00 at 128); fp32 (for checking) keeps 64 everywhere,
     whose tiles fit shared memory. The forward kernels take 64 keys per step since the seventh
     session's A/B (2026-11-23, H100, chunked prefill at 64K, 32 query / 2 KV heads: span forward
-    11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32)."""
+    11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32), and the per-row kernels 32 rows
+    (same day, training at 64K, 16 heads: fwd+bwd 57.52 → 54.84 ms, the forward 16.16 → 14.91;
+    16 rows: 55.97, the search slower, the gate's backward faster)."""
     bd = max(16, triton.next_power_of_2(head_dim))
     warps = 4 if bd <= 64 else 8
     if block_m or block_n or triton_interpreting():
@@ -111,7 +113,7 @@ def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optiona
     if dtype == torch.float32:
         return LaunchConfig(64, 64, 64, 64, 64, 64, warps, fwd_n=64)
     return LaunchConfig(block_m=128, block_n=32, kv_m=64, span_kv_n=32, window_kv_n=64,
-                        rows=64, num_warps=warps, fwd_n=64)
+                        rows=32, num_warps=warps, fwd_n=64)
 
 
 LAUNCH_ENV = "MEGATRON_SUBQ_SUPERLINEAR_LAUNCH"  # JSON overrides of the options below
