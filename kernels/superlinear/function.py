@@ -96,11 +96,12 @@ def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optiona
     (2026-11-22, B = 1, H = 16, d = 128, T = 32K, per-kernel CUDA time, docs/benchmarks.md):
     the query-centric kernels 128 x 32 (span forward 3.72 → 2.21 ms, span dq 4.01 → 2.34,
     window forward 1.43 → 0.97, window dq 2.57 → 1.42, against 64 x 64), the span dK/dV kernel
-    64 pairs x 32 keys (7.36 → 5.94), the window dK/dV kernel and the per-row kernels 64 (the
-    search took 2.67 ms at 64 rows, 4.00 at 128); fp32 (for checking) keeps 64 everywhere,
-    whose tiles fit shared memory. The forward kernels take 64 keys per step since the seventh
-    session's A/B (2026-11-23, H100, chunked prefill at 64K, 32 query / 2 KV heads: span forward
-    11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32), and the per-row kernels 32 rows
+    64 pairs x 32 keys (7.36 → 5.94), the window dK/dV kernel 64 and then the per-row kernels
+    64 too (the search took 2.67 ms at 64 rows, 4.00 at 128); fp32 (for checking) keeps 64
+    everywhere, whose tiles fit shared memory. The forward kernels take 64 keys per step since
+    the seventh session's A/B (2026-11-23, H100, chunked prefill at 64K, 32 query / 2 KV heads:
+    span forward 11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32), and the per-row
+    kernels 32 rows
     (same day, training at 64K, 16 heads: fwd+bwd 57.52 → 54.84 ms, the forward 16.16 → 14.91;
     16 rows: 55.97, the search slower, the gate's backward faster)."""
     bd = max(16, triton.next_power_of_2(head_dim))
