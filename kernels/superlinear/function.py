@@ -101,9 +101,8 @@ def launch_config(head_dim: int, block_m: Optional[int] = None, block_n: Optiona
     everywhere, whose tiles fit shared memory. The forward kernels take 64 keys per step since
     the seventh session's A/B (2026-11-23, H100, chunked prefill at 64K, 32 query / 2 KV heads:
     span forward 11.05 → 9.93 ms, window forward 3.67 → 3.56 ms against 32), and the per-row
-    kernels 32 rows
-    (same day, training at 64K, 16 heads: fwd+bwd 57.52 → 54.84 ms, the forward 16.16 → 14.91;
-    16 rows: 55.97, the search slower, the gate's backward faster)."""
+    kernels 32 rows (same day, training at 64K, 16 heads: fwd+bwd 57.52 → 54.84 ms, the
+    forward 16.16 → 14.91; 16 rows: 55.97, the search slower, the gate's backward faster)."""
     bd = max(16, triton.next_power_of_2(head_dim))
     warps = 4 if bd <= 64 else 8
     if block_m or block_n or triton_interpreting():
