@@ -206,12 +206,12 @@ def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: 
 class ApproxChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, eps: float, length0: int, s1_0, s2_0, z1_0, z2_0, sv_0,
-                output_final_state: bool):
+                output_final_state: bool, cfg: dict):
+        """cfg: ``_launch(D, q.dtype)``, read once per call by ``approx_attention_kernel``."""
         q, k, v = (x.contiguous() for x in (q, k, v))
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        cfg = _launch(D, q.dtype)
         state = None
         if s1_0 is not None:  # packed as the scans' initial sums: [B, H_kv, 2, D, D], [.., 3, D]
             state = (torch.stack((s1_0, s2_0), dim=2).float().contiguous(),
@@ -278,7 +278,7 @@ class ApproxChunkFunction(torch.autograd.Function):
             dv = dv_h.view(B, T, H_kv, G, D).sum(dim=3).to(v.dtype)
         else:
             dk, dv = dk_h, dv_h
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
@@ -299,9 +299,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "
                          "impl='reference'")
-    chunk = _launch(D, q.dtype)["BT"]
+    cfg = _launch(D, q.dtype)
     check_int32_offsets(op, q=q.numel(), k=k.numel(),
-                        chunk_states=2 * B * H_kv * triton.cdiv(T, chunk) * D * D)
+                        chunk_states=2 * B * H_kv * triton.cdiv(T, cfg["BT"]) * D * D)
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:
@@ -311,7 +311,7 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
                          for t in (state.kv1, state.kv2, state.sum_k1, state.sum_k2, state.sum_v))
         length0 = state.length
     o, *final = ApproxChunkFunction.apply(q, k, v, float(eps), int(length0), *tensors0,
-                                          bool(output_final_state))
+                                          bool(output_final_state), cfg)
     if not output_final_state:
         return o
     dtype = state.sum_v.dtype if state is not None else torch.float32
