@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("exponential", "linear", "cosine", "minus_sqrt"))
     g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
     g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    _bool_flag(g, "--override-opt-param-scheduler", False,
+               "on --load, take the LR/WD schedule (lr, min lr, warm-up, decay length and style, "
+               "weight decay) from these flags, not from the checkpoint (Megatron-LM's flag)")
+    _bool_flag(g, "--use-checkpoint-opt-param-scheduler", False,
+               "on --load, take the LR/WD schedule from the checkpoint and ignore these flags "
+               "(Megatron-LM's flag). With neither, a schedule that differs from the "
+               "checkpoint's is an error")
 
     g = p.add_argument_group("optimizer and regularization")
     g.add_argument("--optimizer", default="adam", choices=("adam", "sgd"))
@@ -365,6 +372,12 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def note(message: str) -> None:
+    """A one-line start-up note about an adjusted flag, printed once (by rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", flush=True)
+
+
 def _require(parser, args, *names: str) -> None:
     for name in names:
         if getattr(args, name) is None:
@@ -426,6 +439,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "--decoder-first/last-pipeline-num-layers)")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to shard over
+        note("--sequence-parallel has no effect at --tensor-model-parallel-size 1: switched off "
+             "(as Megatron-LM)")
     if args.reset_attention_mask:
         _check_packed_sequences(parser, args)
     if args.sequence_parallel and args.seq_length % tp:
@@ -440,8 +455,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--global-batch-size={args.global_batch_size} is not divisible by "
                      f"--micro-batch-size={args.micro_batch_size} x data-parallel size {dp}")
     if pp > 1 and args.global_batch_size // (args.micro_batch_size * dp) < pp:
-        print(f"note: {args.global_batch_size // (args.micro_batch_size * dp)} micro-batches "
-              f"per step for {pp} pipeline stages: the pipeline is mostly bubble", flush=True)
+        note(f"{args.global_batch_size // (args.micro_batch_size * dp)} micro-batches per step "
+             f"for {pp} pipeline stages: the pipeline is mostly bubble")
 
     # iterations
     if not args.skip_train:
@@ -481,6 +496,16 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     # precision
     if args.bf16 and args.fp16:
         parser.error("--bf16 conflicts with --fp16")
+    if args.fp16:
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            parser.error("--fp16 needs CUDA (megatron's fp16 loss scaler and its optimizer "
+                         "steps run on GPUs only); on the CPU use --bf16 or full precision")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        parser.error("--override-opt-param-scheduler conflicts with "
+                     "--use-checkpoint-opt-param-scheduler (take the schedule from the flags, or "
+                     "from the checkpoint: not both)")
     if args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.recompute_activations:

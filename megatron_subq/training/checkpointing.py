@@ -299,6 +299,8 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
                 f"--load {root}: the distributed optimizer state of {folder} was saved with "
                 "--no-dist-ckpt-optim-fully-reshardable and cannot change TP/PP size; load it "
                 "with --no-load-optim (weights only) or at (TP, PP)=" + str(saved_layout))
+    if load_optim:
+        check_scheduler(args, scheduler, common["opt_param_scheduler"], log=log)
     request = _state_dict(model, optimizer, scheduler, with_optimizer=load_optim,
                           with_rng=load_rng, is_loading=True, optim_metadata=metadata or None)
     state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
@@ -325,6 +327,51 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
     log(f"loaded checkpoint at iteration {iteration} from {folder}")
     return (iteration, int(common.get("consumed_train_samples", 0)),
             float(common.get("num_floating_point_operations_so_far", 0.0)))
+
+
+# The LR/WD schedule's values megatron's OptimizerParamScheduler.load_state_dict compares with the
+# checkpoint's: (state key, what it is, the flags that set it).
+SCHEDULE_FIELDS = (
+    ("max_lr", "learning rate", "--lr"),
+    ("min_lr", "minimum learning rate", "--min-lr"),
+    ("lr_warmup_steps", "warm-up samples",
+     "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction"),
+    ("lr_decay_steps", "decay samples", "--lr-decay-iters/--lr-decay-samples/--train-iters"),
+    ("lr_decay_style", "decay style", "--lr-decay-style"),
+    ("start_wd", "start weight decay", "--start-weight-decay/--weight-decay"),
+    ("end_wd", "end weight decay", "--end-weight-decay/--weight-decay"),
+    ("wd_incr_steps", "weight-decay samples", "--train-iters/--train-samples"),
+    ("wd_incr_style", "weight-decay style", "--weight-decay-incr-style"),
+)
+
+
+def check_scheduler(args, scheduler, saved: dict, log=print) -> None:
+    """Say which LR/WD schedule a resumed run follows, as Megatron-LM decides it:
+    ``--override-opt-param-scheduler`` takes the flags', ``--use-checkpoint-opt-param-scheduler``
+    the checkpoint's; with neither, a schedule that differs from the checkpoint's is a
+    ``ValueError`` listing every difference and both flags (megatron-core would assert on the
+    first one), raised before anything is loaded."""
+    differing = [(what, flags, getattr(scheduler, key), saved[key])
+                 for key, what, flags in SCHEDULE_FIELDS
+                 if key in saved and getattr(scheduler, key) != saved[key]]
+    if args.override_opt_param_scheduler:
+        log("> LR/WD schedule from the flags (--override-opt-param-scheduler)"
+            + (": " + "; ".join(f"{w} {ours} (checkpoint {theirs})"
+                                for w, _, ours, theirs in differing) if differing else ""))
+    elif args.use_checkpoint_opt_param_scheduler:
+        log("> LR/WD schedule from the checkpoint (--use-checkpoint-opt-param-scheduler)"
+            + (": " + "; ".join(f"{w} {theirs} (flags {ours})"
+                                for w, _, ours, theirs in differing) if differing else ""))
+    elif differing:
+        lines = "; ".join(f"{w} ({flags}): flags {ours}, checkpoint {theirs}"
+                          for w, flags, ours, theirs in differing)
+        raise ValueError(
+            f"--load {args.load}: the LR/WD schedule of these flags differs from the "
+            f"checkpoint's: {lines}. Resume with the checkpoint's schedule "
+            "(--use-checkpoint-opt-param-scheduler) or replace it with the flags' "
+            "(--override-opt-param-scheduler); sample counts are iterations x global batch")
+    else:
+        log("> LR/WD schedule: the flags and the checkpoint agree")
 
 
 def _sharded_keys(folder: str) -> set:

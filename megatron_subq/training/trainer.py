@@ -230,8 +230,9 @@ def build_optimizer(args, model):
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=args.lr_decay_style,
         start_wd=args.start_weight_decay, end_wd=args.end_weight_decay, wd_incr_steps=wd_steps,
-        wd_incr_style=args.weight_decay_incr_style, use_checkpoint_opt_param_scheduler=True,
-        override_opt_param_scheduler=False, wsd_decay_steps=wsd,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler, wsd_decay_steps=wsd,
         lr_wsd_decay_style=args.lr_wsd_decay_style)
     return optimizer, scheduler
 
