@@ -5,6 +5,7 @@ Public API::
     SubqTransformerConfig      megatron-core TransformerConfig + variant knobs
     VARIANTS                   name -> Variant registry
     get_gpt_layer_spec, get_gpt_block_spec, build_gpt_model
+    init_single_process        one-process torch.distributed + megatron parallel state
     ops                        functional [B, T, H, D] attention ops, one per variant
 """
 
@@ -44,6 +45,7 @@ _warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 
 from . import ops  # noqa: E402
 from .config import SubqTransformerConfig  # noqa: E402
+from .initialize import destroy_single_process, init_single_process  # noqa: E402
 from .specs import build_gpt_model, get_backend, get_gpt_block_spec, get_gpt_layer_spec  # noqa: E402
 from .variants import VARIANTS  # noqa: E402
 
@@ -53,8 +55,10 @@ __all__ = [
     "SubqTransformerConfig",
     "VARIANTS",
     "build_gpt_model",
+    "destroy_single_process",
     "get_backend",
     "get_gpt_block_spec",
     "get_gpt_layer_spec",
+    "init_single_process",
     "ops",
 ]
