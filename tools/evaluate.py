@@ -80,8 +80,12 @@ def main(argv=None) -> dict:
     import torch.distributed as dist  # noqa: PLC0415
 
     from megatron_subq.training import arguments  # noqa: PLC0415
-    from megatron_subq.training.checkpointing import load_checkpoint, saved_args  # noqa: PLC0415
-    from megatron_subq.training.tokenizer import build_tokenizer, padded_vocab_size  # noqa: PLC0415
+    from megatron_subq.training.checkpointing import (  # noqa: PLC0415
+        load_checkpoint,
+        prepare_load,
+        saved_args,
+    )
+    from megatron_subq.training.tokenizer import build_tokenizer  # noqa: PLC0415
     from megatron_subq.training.trainer import (  # noqa: PLC0415
         _device,
         _reduce_losses,
@@ -103,6 +107,8 @@ def main(argv=None) -> dict:
               "save_interval", "load", "ckpt_step", "global_batch_size", "metrics_file",
               "tensorboard_dir", "wandb_project", "train_iters", "train_samples", "skip_train",
               "mock_data", "config", "distributed_backend",
+              # a deliberate model change is this run's decision, not the checkpoint's
+              "allow_model_change", "use_checkpoint_args",
               # the layout is this run's (default 1 x 1; the checkpoint reshards)
               "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel",
               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
@@ -121,12 +127,14 @@ def main(argv=None) -> dict:
         from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
 
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-        vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                                  args.tensor_model_parallel_size)
+        log = lambda *m: dist.get_rank() == 0 and print(*m)  # noqa: E731
+        try:  # the checkpoint's padded vocabulary; flags given here must not change the model
+            vocab = prepare_load(args, tokenizer.vocab_size, log=log)
+        except ValueError as e:
+            arguments.fail(args, str(e))
         config = build_config(args)
         model = build_model(args, config, vocab)
-        iteration, _, _ = load_checkpoint(args, model, None, None,
-                                          log=lambda *m: dist.get_rank() == 0 and print(*m))
+        iteration, _, _ = load_checkpoint(args, model, None, None, log=log)
         ids = tokenize_stream(own.input, own.json_key, tokenizer, own.max_documents)
         samples = windows(ids, args.seq_length, tokenizer.eod)
         args.eod_token = tokenizer.eod  # document ends under --reset-attention-mask

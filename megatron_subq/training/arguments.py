@@ -299,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--finetune", False, "load weights only; iteration and data restart from 0")
     _bool_flag(g, "--exit-on-missing-checkpoint", False,
                "fail when --load has no checkpoint instead of starting from scratch")
+    _bool_flag(g, "--use-checkpoint-args", False,
+               "take the model-defining flags (shape, --attention-variant, --layer-pattern, the "
+               "variant knobs, the tokenizer) from the --load checkpoint's stored arguments, "
+               "over the command line and --config (as Megatron-LM)")
+    _bool_flag(g, "--allow-model-change", False,
+               "load a checkpoint whose model-defining flags differ from this run's, on purpose: "
+               "tensors of the same name are loaded, the others keep their initial values, the "
+               "optimizer state is not loaded (without it such a difference is an error)")
 
     g = p.add_argument_group("logging and validation")
     g.add_argument("--log-interval", type=int, default=100)
@@ -551,6 +559,9 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("--skip-train needs --load (there is nothing to evaluate)")
     if args.ckpt_step is not None and args.load is None:
         parser.error("--ckpt-step needs --load")
+    for name in ("use_checkpoint_args", "allow_model_change"):
+        if getattr(args, name) and args.load is None:
+            parser.error(f"--{name.replace('_', '-')} needs --load")
     if args.distributed_backend is None:
         import torch  # noqa: PLC0415
 
@@ -596,9 +607,43 @@ def parse_args(argv: Optional[Sequence[str]] = None,
             parser.error(f"--config {known.config}: {type(e).__name__}: {e}")
         argv = config_to_argv(parser, data, known.config) + argv
     args = parser.parse_args(argv)
+    if args.use_checkpoint_args:
+        _take_checkpoint_args(parser, args)
     args = validate_args(parser, args, world_size)
     args._parser = parser  # for errors found later (model config) to name their flag
     return args
+
+
+def _take_checkpoint_args(parser, args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: overwrite the model-defining arguments (``checkpointing.model_args``
+    of the checkpoint's layers, the variant and pattern, the tokenizer flags) with the values
+    stored in the --load checkpoint, before validation. ``args._checkpoint_args_note`` lists the
+    values that changed. Without a checkpoint in --load the command line is kept (a note says so),
+    as Megatron-LM does."""
+    from . import checkpointing  # noqa: PLC0415
+
+    if args.load is None:
+        parser.error("--use-checkpoint-args needs --load")
+    folder = checkpointing.checkpoint_folder(args.load, args.ckpt_step)
+    if folder is None or not os.path.isdir(folder):
+        args._checkpoint_args_note = (f"--use-checkpoint-args: no checkpoint in --load "
+                                      f"{args.load}; the command line's model flags are used")
+        return
+    try:
+        saved = checkpointing.saved_args(folder)
+    except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is a start-up error
+        parser.error(f"--use-checkpoint-args: cannot read the arguments of {folder} "
+                     f"({type(e).__name__}: {e})")
+    names = (["attention_variant", "layer_pattern", "group_query_attention"]
+             + checkpointing.model_args(checkpointing.layer_variants(saved))
+             + list(checkpointing.TOKENIZER_ARGS))
+    taken = []
+    for name in names:
+        if name in saved and hasattr(args, name) and getattr(args, name) != saved[name]:
+            taken.append(f"{flag_for_field(name)} {saved[name]}")
+            setattr(args, name, saved[name])
+    args._checkpoint_args_note = (f"--use-checkpoint-args: from {folder}: "
+                                  + (", ".join(taken) or "nothing differed"))
 
 
 def fail(args: argparse.Namespace, message: str) -> None:

@@ -137,6 +137,158 @@ def _saved_args(args) -> dict:
     return out
 
 
+# The arguments that define the model a checkpoint holds (besides the attention variant of every
+# layer and the variant knobs): a checkpoint loads only into a model built with the same values.
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "normalization", "norm_epsilon", "swiglu",
+                    "add_bias_linear", "position_embedding_type", "rotary_base",
+                    "max_position_embeddings", "untie_embeddings_and_output_weights",
+                    "tokenizer_vocab_size")
+# what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments
+TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
+# variant knobs that choose an implementation or an evaluation ablation, not the model
+NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_block_size",
+                   "superlinear_allow_no_random_access")
+# the variant whose layers read a knob (by name prefix); a knob matching none is always compared
+_KNOB_VARIANTS = (("asa_", "asa"), ("ppa_", "ppa"), ("sas_", "sas"),
+                  ("superlinear_", "superlinear"), ("mlp_attention_", "mlp"),
+                  ("fixed_qk_tokens_file", "fixed_seq_qk"), ("fixed_qk_seed", "rnd_emb_qk"))
+
+
+def layer_variants(values) -> Optional[list]:
+    """Every layer's variant from --attention-variant / --layer-pattern / --num-layers in
+    ``values`` (a dict or a namespace); None when they do not resolve."""
+    from ..patterns import resolve_layer_pattern  # noqa: PLC0415
+
+    get = values.get if isinstance(values, dict) else (lambda k, d=None: getattr(values, k, d))
+    pattern = get("layer_pattern")
+    if isinstance(pattern, str) and "," in pattern:
+        pattern = [v.strip() for v in pattern.split(",") if v.strip()]
+    try:
+        return resolve_layer_pattern(pattern, get("attention_variant", "standard"),
+                                     get("num_layers"))
+    except (ValueError, TypeError):
+        return None
+
+
+def model_args(layers) -> list:
+    """The argument names that define a model whose layers are ``layers`` (variant names): the
+    shape (``MODEL_SHAPE_ARGS``) and the knobs of the variants in use."""
+    from .arguments import variant_fields  # noqa: PLC0415
+
+    used = set(layers or ())
+    names = [n for n in MODEL_SHAPE_ARGS]
+    for f in variant_fields():
+        if f.name in ("attention_variant", "layer_pattern") or f.name in NON_MODEL_KNOBS:
+            continue
+        owner = next((v for prefix, v in _KNOB_VARIANTS if f.name.startswith(prefix)), None)
+        if owner is None or owner in used:
+            names.append(f.name)
+    return names
+
+
+def model_mismatches(saved: dict, args) -> list:
+    """'--flag: checkpoint X, this run Y' for every model-defining argument in which this run
+    (``args``) differs from a checkpoint's stored arguments (``saved``). Arguments the
+    checkpoint does not store (saved before they existed) are not compared."""
+    from .arguments import flag_for_field  # noqa: PLC0415
+
+    out = []
+    theirs, ours = layer_variants(saved), layer_variants(args)
+    if theirs != ours:
+        def describe(values, layers):
+            get = values.get if isinstance(values, dict) else \
+                (lambda k, d=None: getattr(values, k, d))
+            text = str(get("attention_variant"))
+            if get("layer_pattern") is not None:
+                text += f" --layer-pattern {get('layer_pattern')}"
+            return f"{text} (layers {','.join(layers or ['?'])})"
+        out.append(f"--attention-variant/--layer-pattern: checkpoint {describe(saved, theirs)}, "
+                   f"this run {describe(args, ours)}")
+    for name in model_args(set(theirs or ()) | set(ours or ())):
+        if name not in saved:
+            continue
+        if name == "max_position_embeddings" and "learned_absolute" not in (
+                saved.get("position_embedding_type"), getattr(args, "position_embedding_type")):
+            continue  # RoPE holds no weights per position
+        mine = getattr(args, name, None)
+        if saved[name] != mine:
+            flag = "--vocab-size/--tokenizer-model (tokenizer vocabulary)" \
+                if name == "tokenizer_vocab_size" else flag_for_field(name)
+            out.append(f"{flag}: checkpoint {saved[name]!r}, this run {mine!r}")
+    return out
+
+
+def checkpoint_folder(root: str, step: Optional[int] = None) -> Optional[str]:
+    """The folder ``--load root`` (``--ckpt-step step``) loads, or None when root has no
+    complete checkpoint (no tracker and no step)."""
+    iteration = step if step is not None else read_tracker(root)
+    return None if iteration is None else checkpoint_dir(root, iteration)
+
+
+def prepare_load(args, tokenizer_vocab_size: int, log=print) -> int:
+    """Before the model is built: decide the padded vocabulary and check the model against the
+    checkpoint that ``--load`` will load. Returns the padded vocabulary size.
+
+    Sets ``args.tokenizer_vocab_size`` and ``args.padded_vocab_size`` (saved with every
+    checkpoint). With a checkpoint to load, the padded vocabulary is the checkpoint's
+    (``tokenizer.padded_vocab_size_for_load``), and every model-defining argument must equal the
+    stored one: a difference raises ValueError listing all of them, unless
+    ``--allow-model-change`` (then they are printed, and ``args._model_changed`` makes
+    ``load_checkpoint`` load the matching weights only). Raises ValueError naming the flag.
+    """
+    from .tokenizer import padded_vocab_size_for_load  # noqa: PLC0415
+
+    args.tokenizer_vocab_size = tokenizer_vocab_size
+    args._model_changed = False
+    saved, folder = {}, None
+    if args.load:
+        folder = checkpoint_folder(args.load, args.ckpt_step)
+        if folder is not None and os.path.isdir(folder):
+            saved = dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))
+    mismatches = model_mismatches(saved, args) if saved else []
+    if mismatches and not args.allow_model_change:
+        raise ValueError(
+            f"--load {args.load}: {folder} holds a different model than this run asks for: "
+            + "; ".join(mismatches) + ". Give the checkpoint's values, or "
+            "--use-checkpoint-args to take them from it, or --allow-model-change to load "
+            "its matching weights into this model on purpose")
+    same_tokens = saved.get("tokenizer_vocab_size") in (None, tokenizer_vocab_size)
+    vocab, note = padded_vocab_size_for_load(
+        tokenizer_vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size,
+        saved if same_tokens else None)
+    args.padded_vocab_size = vocab
+    if note:
+        log(f"> {note}")
+    if mismatches:
+        args._model_changed = True
+        log("> --allow-model-change: this model differs from the checkpoint's ("
+            + "; ".join(mismatches) + "); only tensors of the same name are loaded, the "
+            "optimizer state is not")
+    return vocab
+
+
+def warn_if_save_holds_another_model(args, log=print) -> None:
+    """One warning line when ``--save`` already holds a run of a different model and this run
+    does not load from it (its saves would sit beside, and its tracker replace, that run's)."""
+    if not args.save or (args.load and os.path.realpath(args.load) ==
+                         os.path.realpath(args.save)):
+        return
+    try:
+        iteration = read_tracker(args.save)
+        if iteration is None or not os.path.isdir(checkpoint_dir(args.save, iteration)):
+            return
+        saved = dict(dist_checkpointing.load_common_state_dict(
+            checkpoint_dir(args.save, iteration)).get("args", {}))
+    except Exception:  # noqa: BLE001 - an unreadable folder is not this warning's business
+        return
+    mismatches = model_mismatches(saved, args)
+    if mismatches:
+        log(f"> warning: --save {args.save} already holds a run of another model (iteration "
+            f"{iteration}; {'; '.join(mismatches)}) and this run does not --load it: its saves "
+            "will replace that run's tracker; use another --save folder")
+
+
 def _ensure_adam_state(optimizer) -> None:
     """Give a fresh distributed Adam its (zero) moments and step before a load request is built.
 
@@ -277,8 +429,9 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
               parallel_state.get_pipeline_model_parallel_world_size())
     resharding = saved_layout != layout
     has_optimizer = "opt_param_scheduler" in common
+    changed = getattr(args, "_model_changed", False)  # --allow-model-change, see prepare_load
     load_optim = (optimizer is not None and args.load_optim and not args.finetune
-                  and has_optimizer)
+                  and has_optimizer and not changed)
     load_rng = args.load_rng and not args.finetune and not resharding and "rng_state" in \
         _sharded_keys(folder)
     metadata = common.get("optimizer_metadata") or {}
@@ -303,12 +456,15 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
         check_scheduler(args, scheduler, common["opt_param_scheduler"], log=log)
     request = _state_dict(model, optimizer, scheduler, with_optimizer=load_optim,
                           with_rng=load_rng, is_loading=True, optim_metadata=metadata or None)
+    fresh = _drop_tensors_not_in(request, folder) if changed else []
     state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
                                     strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
+        if changed:  # --allow-model-change: what the checkpoint lacks keeps its initial values
+            missing = []
         if missing or unexpected:
             raise RuntimeError(f"checkpoint {folder} does not match the model: missing={missing} "
                                f"unexpected={unexpected}")
@@ -320,6 +476,9 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
         optimizer.reload_model_params()  # fp32 main params from the loaded weights
     if load_rng:
         _restore_rng(state["rng_state"][0])
+    if fresh:
+        log(f"> --allow-model-change: {len(fresh)} tensors are not in the checkpoint and keep "
+            f"their initial values: {', '.join(fresh[:8])}{' ...' if len(fresh) > 8 else ''}")
     _barrier()
     if args.finetune:
         log(f"loaded weights of iteration {iteration} from {folder} (--finetune: iteration 0)")
@@ -372,6 +531,24 @@ def check_scheduler(args, scheduler, saved: dict, log=print) -> None:
             "(--override-opt-param-scheduler); sample counts are iterations x global batch")
     else:
         log("> LR/WD schedule: the flags and the checkpoint agree")
+
+
+def _drop_tensors_not_in(request: dict, folder: str) -> list:
+    """Remove from the model part of a load request the tensors the checkpoint does not hold
+    (--allow-model-change); returns their keys. Tensors held with another shape still fail."""
+    from megatron.core.dist_checkpointing.serialization import (  # noqa: PLC0415
+        load_sharded_metadata,
+    )
+
+    held = set(load_sharded_metadata(folder))
+    dropped = []
+    for name in [k for k in request if k.startswith("model")]:
+        for key, value in list(request[name].items()):
+            if getattr(value, "key", key) not in held:
+                del request[name][key]
+                if not key.endswith("_extra_state"):
+                    dropped.append(key)
+    return dropped
 
 
 def _sharded_keys(folder: str) -> set:

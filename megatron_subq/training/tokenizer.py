@@ -113,3 +113,48 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     the embedding split over TP)."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def padded_vocab_size_for_load(vocab_size: int, divisible_by: int, tp: int,
+                               saved: Optional[dict] = None):
+    """The padded vocabulary of a run that loads a checkpoint whose stored arguments are
+    ``saved`` (None or {}: no checkpoint). Returns (padded size, note or None).
+
+    The padding rows are real output rows that take part in the softmax, so a loaded model keeps
+    the checkpoint's padded size whenever the new TP divides it (e.g. a TP=4 Mistral checkpoint
+    keeps 32,256 rows at TP=1, where a fresh run would have 32,000). The checkpoint's size is its
+    stored ``padded_vocab_size``, or, for checkpoints saved before it was stored, derived from
+    its ``tokenizer_vocab_size`` (else this tokenizer's ``vocab_size``), its
+    ``make_vocab_size_divisible_by`` and its TP. Raises ValueError when the new TP does not
+    divide it (padding further would add rows and change the model). One rule for the trainer,
+    tools/evaluate.py and checkpoint conversion.
+    """
+    own = padded_vocab_size(vocab_size, divisible_by, tp)
+    if not saved:
+        return own, None
+    ckpt = saved.get("padded_vocab_size")
+    how = "stored"
+    if ckpt is None:
+        ckpt = padded_vocab_size(saved.get("tokenizer_vocab_size") or vocab_size,
+                                 saved.get("make_vocab_size_divisible_by", divisible_by),
+                                 saved.get("tensor_model_parallel_size", 1))
+        how = (f"{saved.get('tokenizer_vocab_size') or vocab_size} tokens padded by the "
+               f"checkpoint's --make-vocab-size-divisible-by "
+               f"{saved.get('make_vocab_size_divisible_by', divisible_by)} x TP "
+               f"{saved.get('tensor_model_parallel_size', 1)}")
+    ckpt = int(ckpt)
+    if ckpt < vocab_size:
+        raise ValueError(f"the checkpoint's vocabulary has {ckpt} rows, fewer than this "
+                         f"tokenizer's {vocab_size} tokens: --tokenizer-type/--tokenizer-model "
+                         "differ from the checkpoint's")
+    if ckpt % tp:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} is invalid for this checkpoint: its padded "
+            f"vocabulary of {ckpt} rows ({how}) does not split over {tp} ranks, and padding it "
+            f"to a multiple of --make-vocab-size-divisible-by {divisible_by} x TP {tp} would add "
+            f"output rows that change the softmax; allowed: a TP size that divides {ckpt}")
+    if ckpt == own:
+        return ckpt, None
+    return ckpt, (f"vocabulary: keeping the checkpoint's padded size {ckpt} (tokenizer "
+                  f"{vocab_size}); --make-vocab-size-divisible-by {divisible_by} x TP {tp} would "
+                  f"pad to {own}, and the extra or missing rows would change the softmax")

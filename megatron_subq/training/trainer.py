@@ -26,11 +26,17 @@ import torch
 import torch.distributed as dist
 
 from . import arguments
-from .checkpointing import load_checkpoint, save_checkpoint, unwrap
+from .checkpointing import (
+    load_checkpoint,
+    prepare_load,
+    save_checkpoint,
+    unwrap,
+    warn_if_save_holds_another_model,
+)
 from .data import build_datasets, make_loader, to_device
 from .flops import flops_per_iteration, peak_tflops, unmodelled_variants
 from .metrics import MetricsLogger
-from .tokenizer import build_tokenizer, padded_vocab_size
+from .tokenizer import build_tokenizer
 
 
 def print_rank_0(*msg) -> None:
@@ -364,8 +370,14 @@ def _run(args) -> Dict:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     except ValueError as e:
         arguments.fail(args, str(e))
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                              args.tensor_model_parallel_size)
+    if getattr(args, "_checkpoint_args_note", None):
+        print_rank_0(f"> {args._checkpoint_args_note}")
+    try:  # the checkpoint's padded vocabulary, and its model = this model, before building
+        vocab = prepare_load(args, tokenizer.vocab_size, log=print_rank_0)
+    except ValueError as e:
+        arguments.fail(args, str(e))
+    if dist.get_rank() == 0:
+        warn_if_save_holds_another_model(args, log=print_rank_0)
     config = build_config(args)
     args.eod_token = tokenizer.eod  # document ends under --reset-attention-mask
     model = build_model(args, config, vocab)
@@ -438,8 +450,12 @@ def _run(args) -> Dict:
         return summary
 
     if args.train_iters is None or iteration >= args.train_iters:
-        print_rank_0(f"> nothing to train: iteration {iteration} >= --train-iters "
-                     f"{args.train_iters}")
+        print_rank_0(f"> nothing to train: the run is at iteration {iteration} and --train-iters "
+                     f"is {args.train_iters}; to continue it, raise --train-iters above "
+                     f"{iteration} (or --train-samples above {iteration * args.global_batch_size})"
+                     " and add --use-checkpoint-opt-param-scheduler (keep the finished schedule: "
+                     "the LR stays at --min-lr) or --override-opt-param-scheduler (the flags' "
+                     "schedule over the longer run); see docs/training.md")
     train_loader = make_loader(train_ds, consumed, None, args, dp_rank, dp_size)
     train_iter = iter(train_loader)
     for chunk in model:
