@@ -90,8 +90,6 @@ class SubqTransformerConfig(TransformerConfig):
     """f: a span reaches ceil(f*l(i)) keys forward from its anchor (clipped at i)."""
     superlinear_sw_index: int = 32
     """Window index: window length w = floor((sw_index+1)^(1/p)) - 1 (32 -> 1088 at p=1/2)."""
-    superlinear_block_size: int = 64
-    """Key block of the span kernels."""
     superlinear_allow_no_random_access: bool = False
     """Opt out of the random-context-access check (p + p_sp >= 1 and b >= 1/p)."""
 
@@ -155,9 +153,6 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("superlinear_forward_factor", self.superlinear_forward_factor, "a number >= 0")
         if not isinstance(self.superlinear_sw_index, int) or self.superlinear_sw_index < 0:
             _fail("superlinear_sw_index", self.superlinear_sw_index, "an integer >= 0")
-        bs = self.superlinear_block_size
-        if not isinstance(bs, int) or bs < 16 or bs & (bs - 1):
-            _fail("superlinear_block_size", bs, "a power of two >= 16")
         if not self.superlinear_allow_no_random_access:
             if sp + ssp < 1.0 - 1e-12:
                 raise ValueError(

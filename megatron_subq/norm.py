@@ -37,10 +37,12 @@ class LocalNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight + 1.0 if self.zero_centered_gamma else self.weight
-        # normalise in fp32 for bf16/fp16 activations, as megatron's fused norms do
-        xf = x.float()
+        # normalise in the wider of fp32 and the input's dtype: fp32 for bf16/fp16 activations,
+        # as megatron's fused norms do, and float64 stays float64
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
         if self.kind == "RMSNorm":
-            y = F.rms_norm(xf, (self.hidden_size,), w.float(), self.eps)
+            y = F.rms_norm(xf, (self.hidden_size,), w.to(dtype), self.eps)
         else:
-            y = F.layer_norm(xf, (self.hidden_size,), w.float(), self.bias.float(), self.eps)
+            y = F.layer_norm(xf, (self.hidden_size,), w.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)

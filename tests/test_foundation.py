@@ -1,6 +1,7 @@
 """The foundation: config validation, registry, specs, the standard op, checkpoints, training."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -42,7 +43,6 @@ def test_public_api():
     ("superlinear_search_power", 0.0, "superlinear_search_power=0.0"),
     ("superlinear_span_power", 0.25, "superlinear_span_power=0.25"),
     ("superlinear_backward_factor", 1.0, "superlinear_backward_factor=1.0"),
-    ("superlinear_block_size", 48, "superlinear_block_size=48"),
 ])
 def test_invalid_config_names_the_field(field, value, needle):
     with pytest.raises(ValueError) as err:
@@ -196,3 +196,44 @@ def test_reference_on_cuda_is_announced_once():
         assert dispatch.choose_impl("some_op", "reference", [CudaLike()], None) == "reference"
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and messages[0].startswith("some_op: no Triton kernel")
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "LayerNorm"])
+def test_local_norm_keeps_float64(kind):
+    """The norm computes in the wider of float32 and the input's dtype (float64 stays exact)."""
+    from megatron_subq.norm import LocalNorm
+
+    config = subq.SubqTransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
+                                        normalization=kind, params_dtype=torch.float64)
+    norm = LocalNorm(config, 8, eps=1e-6)
+    x = torch.randn(3, 8, dtype=torch.float64) * 1e3 + 1.0 / 3
+    y = norm(x)
+    assert y.dtype == torch.float64
+    if kind == "RMSNorm":
+        ref = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6)
+    else:
+        c = x - x.mean(-1, keepdim=True)
+        ref = c / torch.sqrt((c * c).mean(-1, keepdim=True) + 1e-6)
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_every_variant_knob_is_read():
+    """A knob the config validates but no module reads is a promise the model does not keep."""
+    import megatron_subq
+    from megatron_subq.training.arguments import variant_fields
+
+    package = os.path.dirname(megatron_subq.__file__)
+    sources = []
+    for folder, _, files in os.walk(package):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(package, "config.py") and \
+                    os.sep + "training" + os.sep not in path:
+                sources.append(open(path, encoding="utf-8").read())
+    text = "\n".join(sources)
+    config_only = {  # knobs that steer config.py's own checks, not the model
+        "superlinear_allow_no_random_access": "opts out of the random-context-access check"}
+    unread = [f.name for f in variant_fields()
+              if f.name not in ("attention_variant", "layer_pattern", *config_only)
+              and not re.search(r"\b" + f.name + r"\b", text)]
+    assert not unread, f"validated but never read outside config.py: {unread}"

@@ -27,8 +27,7 @@ def _check(results, atol=2e-5):
 @pytest.mark.parametrize("variant", PACKED)
 def test_packed_documents_do_not_see_each_other(variant):
     # small windows, so that PPA's offsets and Superlinear's spans reach beyond them
-    kwargs = {"attention_variant": variant, "ppa_window": 3, "superlinear_sw_index": 1,
-              "superlinear_block_size": 16}
+    kwargs = {"attention_variant": variant, "ppa_window": 3, "superlinear_sw_index": 1}
     _check(run_distributed(packed_vs_separate_losses, 1, tp=1, args=(kwargs,)))
 
 

@@ -171,7 +171,6 @@ def test_validator_rejects_knobs_that_break_random_access(p, p_sp, b, needle):
     (dict(superlinear_backward_factor=-1.0), "superlinear_backward_factor"),
     (dict(superlinear_forward_factor=-0.5), "superlinear_forward_factor"),
     (dict(superlinear_sw_index=-1), "superlinear_sw_index"),
-    (dict(superlinear_block_size=48), "superlinear_block_size"),
     (dict(attention_output_gate=True), "attention_output_gate"),
     (dict(softmax_scale=0.1), "softmax_scale"),
 ])

@@ -39,7 +39,7 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 VARIANT_FLAGS = {
     "asa": ["--asa-rank", "8"],
     "ppa": ["--ppa-window", "8"],
-    "superlinear": ["--superlinear-sw-index", "3", "--superlinear-block-size", "16"],
+    "superlinear": ["--superlinear-sw-index", "3"],
 }
 
 

@@ -147,8 +147,7 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 # what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
 # variant knobs that choose an implementation or an evaluation ablation, not the model
-NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_block_size",
-                   "superlinear_allow_no_random_access")
+NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_allow_no_random_access")
 # the variant whose layers read a knob (by name prefix); a knob matching none is always compared
 _KNOB_VARIANTS = (("asa_", "asa"), ("ppa_", "ppa"), ("sas_", "sas"),
                   ("superlinear_", "superlinear"), ("mlp_attention_", "mlp"),
