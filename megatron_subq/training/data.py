@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -127,6 +128,8 @@ class IndexedDatasetInfo:
     dataset by sequence, i.e. by document for tools/preprocess_data.py's output)."""
     prefix: str
     sequence_lengths: "numpy.ndarray"  # noqa: F821 - int32, one per sequence
+    index: object = None  # megatron's _IndexReader: the lengths are a view of its mmap, which
+    # it closes when collected, so it must live as long as they do
 
     @property
     def documents(self) -> int:
@@ -184,7 +187,7 @@ def check_indexed_dataset(prefix: str, flag: str = "--data-path") -> IndexedData
                          f"{numpy.dtype(index.dtype).name} tokens); the .bin is "
                          f"{'truncated' if actual < expected else 'longer than indexed'} or "
                          "belongs to another .idx: re-run tools/preprocess_data.py")
-    info = IndexedDatasetInfo(prefix, lengths)
+    info = IndexedDatasetInfo(prefix, lengths, index)
     if info.tokens() == 0:
         raise ValueError(f"{flag} {prefix}: the dataset holds no tokens ({info.documents} "
                          "documents); it cannot be trained on (was its preprocessing input "
@@ -199,11 +202,17 @@ def _split_matrix(split: str):
         parse_and_normalize_split,
     )
 
-    try:
-        return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    except Exception:  # noqa: BLE001 - megatron asserts / divides by zero on a bad split
+    try:  # megatron picks the numbers out of any text and normalises 0,0,0 to NaNs
+        ok = re.fullmatch(r"\s*[0-9.]+(\s*[,/ ]\s*[0-9.]+){0,2}\s*", split) and \
+            sum(float(v) for v in re.findall(r"[.0-9]+", split)) > 0
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split)) \
+            if ok else None
+    except Exception:  # noqa: BLE001 - '1.2.3' and the like
+        matrix = None
+    if matrix is None:
         raise ValueError(f"--split {split} is invalid: give up to three non-negative weights "
-                         "train,valid,test, not all 0 (e.g. 969,30,1)") from None
+                         "train,valid,test, not all 0 (e.g. 969,30,1)")
+    return matrix
 
 
 def _document_range(documents: int, bookends) -> Tuple[int, int]:
