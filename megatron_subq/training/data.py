@@ -11,10 +11,10 @@ Validation uses a fixed set: the first ``eval_iters * global_batch_size`` sample
 split, every time, so validation losses are comparable across iterations, runs and parallel
 layouts.
 
-``check_data`` (called by ``arguments.validate_args``, before anything is built) refuses data that
-megatron-core would otherwise accept and then fail on late, silently or forever: a prefix without
-its ``.bin``/``.idx``, an ``.idx`` that is not one, a ``.bin`` whose size is not the one its ``.idx``
-implies, and a split too small for what the run asks of it (see ``check_splits``).
+``check_data`` (called by ``arguments.validate_args``, before anything is built) refuses data
+that megatron-core would otherwise accept and then fail on late, silently or forever: a prefix
+without its ``.bin``/``.idx``, an ``.idx`` that is not one, a ``.bin`` whose size is not the one
+its ``.idx`` implies, and a split too small for what the run asks of it (see ``check_splits``).
 """
 
 from __future__ import annotations
