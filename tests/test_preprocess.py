@@ -153,3 +153,65 @@ def test_bad_tokenizer_model_names_the_flag(tmp_path):
         resolve_tokenizer_model(str(tmp_path / "nope.model"))
     with pytest.raises(ValueError, match="NullTokenizer needs --vocab-size"):
         build_tokenizer("NullTokenizer")
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_input_without_documents_fails_and_writes_nothing(tmp_path, tokenizer_model):
+    """An input that yields no document (empty, or only blank/malformed/empty-text lines) is an
+    error naming it, not a 0-byte dataset that dies later in training ("cannot mmap an empty
+    file"); nothing is written, and an earlier run's output is left as it was."""
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"text": "some text"}) + "\n")
+    flags = ["--output-prefix", str(tmp_path / "out"), "--tokenizer-type",
+             "GPTSentencePieceTokenizer", "--tokenizer-model", tokenizer_model, "--workers", "1",
+             "--no-progress"]
+    out = preprocess_data.main(["--input", str(good)] + flags)
+    prefix = out["prefixes"]["text"]
+    before = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
+    assert _files(tmp_path) == ["good.jsonl", "out_text_document.bin", "out_text_document.idx"]
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    junk = tmp_path / "junk.jsonl.gz"
+    with gzip.open(junk, "wt", encoding="utf-8") as f:
+        f.write("\n".join(["", "{not json", json.dumps({"text": ""}), json.dumps({"body": "x"}),
+                           json.dumps([1])]) + "\n")
+    for path, counts in ((empty, "0 malformed line(s), 0 empty document(s)"),
+                         (junk, "4 malformed line(s), 1 empty document(s)")):
+        with pytest.raises(SystemExit) as e:
+            preprocess_data.main(["--input", str(path)] + flags)
+        msg = str(e.value.code)  # a string: the interpreter prints it and exits with status 1
+        assert msg.startswith(f"error: --input {path} yielded no documents (") and counts in msg
+        assert "nothing was written" in msg
+        assert _files(tmp_path) == sorted([good.name, empty.name, junk.name,
+                                           "out_text_document.bin", "out_text_document.idx"])
+        assert before == {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
+
+    # several keys: one of them without a single token is refused too
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"text": "body", "title": ""}) + "\n")
+    with pytest.raises(SystemExit, match="yielded no tokens under key\\(s\\) 'title'"):
+        preprocess_data.main(["--input", str(two), "--json-keys", "text", "title",
+                              "--no-append-eod", "--output-prefix", str(tmp_path / "two"),
+                              "--tokenizer-type", "GPTSentencePieceTokenizer",
+                              "--tokenizer-model", tokenizer_model, "--workers", "1",
+                              "--no-progress"])
+    assert not [f for f in _files(tmp_path) if f.startswith("two_")]
+
+
+def test_empty_input_exits_nonzero_as_a_script(tmp_path):
+    import subprocess
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
+                           "--input", str(empty), "--output-prefix", str(tmp_path / "o"),
+                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                           "--workers", "1", "--no-progress"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"error: --input {empty} yielded no documents" in proc.stderr
+    assert _files(tmp_path) == ["empty.jsonl"]

@@ -319,11 +319,14 @@ def test_config_file_and_command_line_override(tmp_path):
     assert args.sequence_parallel and args.tensor_model_parallel_size == 2
     assert args.global_batch_size == 2 and args.ffn_hidden_size == 320  # derived as Megatron-LM
     js = tmp_path / "r.json"
-    js.write_text(json.dumps({"attention_variant": "asa", "asa_rank": 8, "data_path": ["x"]}))
+    from test_data_checks import write_indexed_dataset  # --data-path must exist
+
+    x = write_indexed_dataset(tmp_path / "x", [64] * 1000)
+    js.write_text(json.dumps({"attention_variant": "asa", "asa_rank": 8, "data_path": [x]}))
     args = arguments.parse_args(["--config", str(js)] + MIN[:-5] + ["--tokenizer-type",
                                                                     "NullTokenizer",
                                                                     "--vocab-size", "9"])
-    assert args.attention_variant == "asa" and args.asa_rank == 8 and args.data_path == ["x"]
+    assert args.attention_variant == "asa" and args.asa_rank == 8 and args.data_path == [x]
 
 
 def test_bad_flags_fail_at_start_naming_the_flag(tmp_path, capsys):

@@ -11,6 +11,8 @@ processes (order kept), an EOD token is appended to each (``--no-append-eod`` to
 pair, with the smallest token dtype that fits the vocabulary. Lines that are not a JSON object
 with a string under every ``--json-keys`` key are counted by reason and reported (with their
 line numbers) in the summary, never dropped silently; empty documents are counted too.
+Outputs are written as ``.bin.partial``/``.idx.partial`` and renamed once complete; an input that
+yields no document (or a key with no token) exits with an error naming it and writes nothing.
 """
 
 from __future__ import annotations
@@ -130,15 +132,28 @@ def get_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = get_args(argv)
-    import numpy as np  # noqa: PLC0415
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
-    from tqdm import tqdm  # noqa: PLC0415
 
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     dtype = DType.optimal_dtype(args._vocab_size)
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
-    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for k, p in prefixes.items()}
+    # written under temporary names, renamed only once complete and non-empty: a failed or
+    # interrupted run leaves no output (and an earlier run's output untouched)
+    partial = {k: (p + ".bin.partial", p + ".idx.partial") for k, p in prefixes.items()}
+    builders = {k: IndexedDatasetBuilder(partial[k][0], dtype=dtype) for k in prefixes}
+    try:
+        return _write(args, prefixes, partial, builders, dtype)
+    finally:
+        for paths in partial.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def _write(args, prefixes, partial, builders, dtype) -> dict:
+    import numpy as np  # noqa: PLC0415
+    from tqdm import tqdm  # noqa: PLC0415
 
     start = time.perf_counter()
     documents = 0
@@ -177,7 +192,7 @@ def main(argv=None) -> dict:
             pool.close()
             pool.join()
     for key, builder in builders.items():
-        builder.finalize(prefixes[key] + ".idx")
+        builder.finalize(partial[key][1])
     elapsed = time.perf_counter() - start
 
     total_tokens = sum(tokens.values())
@@ -198,6 +213,19 @@ def main(argv=None) -> dict:
             print(f"    {count:,} x {problem} (line {shown}{more})")
     else:
         print("  no malformed lines")
+    no_tokens = [k for k in prefixes if tokens[k] == 0]
+    if documents == 0 or no_tokens:
+        what = ("no documents" if documents == 0 else
+                f"no tokens under key(s) {', '.join(map(repr, no_tokens))}")
+        read = f"the first {args.max_documents:,} lines, " if args.max_documents else ""
+        raise SystemExit(
+            f"error: --input {args.input} yielded {what} ({read}{read_bytes:,} bytes read: "
+            f"{malformed:,} malformed line(s), {empty:,} empty document(s)); nothing was written "
+            f"(a dataset without tokens cannot be trained on). Each line must be a JSON object "
+            f"with a non-empty string under every --json-keys key ({', '.join(args.json_keys)})")
+    for key, prefix in prefixes.items():
+        os.replace(partial[key][0], prefix + ".bin")
+        os.replace(partial[key][1], prefix + ".idx")
     return {"documents": documents, "tokens": dict(tokens), "empty": empty,
             "malformed": dict(problems), "prefixes": prefixes}
 

@@ -539,6 +539,9 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, name):
             parse_blend(parser, getattr(args, name), "--" + name.replace("_", "-"))
+    from .data import check_data  # noqa: PLC0415 - data.py imports this module
+
+    check_data(parser, args)  # prefixes exist, .bin matches .idx, every split can be built
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data and args.vocab_size else None
     if args.tokenizer_type is None:

@@ -10,12 +10,20 @@ samples. The data-iterator state is therefore just ``consumed_train_samples``.
 Validation uses a fixed set: the first ``eval_iters * global_batch_size`` samples of the valid
 split, every time, so validation losses are comparable across iterations, runs and parallel
 layouts.
+
+``check_data`` (called by ``arguments.validate_args``, before anything is built) refuses data
+that megatron-core would otherwise accept and then fail on late, silently or forever: a prefix
+without its ``.bin``/``.idx``, an ``.idx`` that is not one, a ``.bin`` whose size is not the one
+its ``.idx`` implies, and a split too small for what the run asks of it (see ``check_splits``).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Iterator, List, Optional
+import dataclasses
+import os
+import re
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -53,13 +61,19 @@ def _blend(parser, tokens, flag):
     return parse_blend(parser, tokens, flag) if tokens else None
 
 
-def build_datasets(args: argparse.Namespace, tokenizer):
-    """(train, valid, test) GPTDatasets (valid/test may be None when their split is empty)."""
-    parser = getattr(args, "_parser", None)
+def split_sizes(args: argparse.Namespace) -> List[int]:
+    """Samples asked of the (train, valid, test) datasets: the run's training samples (at least 1)
+    and ``eval_iters * global_batch_size`` for valid and test."""
     train_samples = (args.train_samples if args.train_samples is not None
                      else (args.train_iters or 0) * args.global_batch_size)
     eval_samples = args.eval_iters * args.global_batch_size
-    sizes = [max(train_samples, 1), eval_samples, eval_samples]
+    return [max(train_samples, 1), eval_samples, eval_samples]
+
+
+def build_datasets(args: argparse.Namespace, tokenizer):
+    """(train, valid, test) GPTDatasets (valid/test may be None when their split is empty)."""
+    parser = getattr(args, "_parser", None)
+    sizes = split_sizes(args)
     blend = blend_per_split = split = None
     if args.data_path:
         blend, split = _blend(parser, args.data_path, "--data-path"), args.split
@@ -99,3 +113,244 @@ def make_loader(dataset, consumed_samples: int, total_samples: Optional[int], ar
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# checks of --data-path & co. before anything is built
+# ------------------------------------------------------------------------------------------------
+_SPLITS = ("train", "valid", "test")
+_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+@dataclasses.dataclass
+class IndexedDatasetInfo:
+    """What the ``.idx`` of one prefix says: per-sequence token counts (GPTDataset splits a
+    dataset by sequence, i.e. by document for tools/preprocess_data.py's output)."""
+    prefix: str
+    sequence_lengths: "numpy.ndarray"  # noqa: F821 - int32, one per sequence
+    index: object = None  # megatron's _IndexReader: the lengths are a view of its mmap, which
+    # it closes when collected, so it must live as long as they do
+
+    @property
+    def documents(self) -> int:
+        return int(self.sequence_lengths.shape[0])
+
+    def tokens(self, begin: int = 0, end: Optional[int] = None) -> int:
+        return int(self.sequence_lengths[begin:end].sum(dtype="int64"))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_indexed_dataset(prefix: str, flag: str = "--data-path") -> IndexedDatasetInfo:
+    """Open the ``PREFIX.idx`` of one dataset and check its ``PREFIX.bin`` against it.
+
+    Raises ``ValueError`` naming ``flag`` and the file when the ``.bin`` or ``.idx`` is missing,
+    the ``.idx`` is not a megatron index, the ``.bin`` does not hold exactly the bytes the
+    ``.idx`` points to (a truncated or overlong copy: megatron would read past it or train on a
+    prefix of it without a word), or the dataset holds no tokens (its empty ``.bin`` cannot be
+    mmapped). The ``.bin`` is only stat'ed, never read.
+    """
+    import numpy  # noqa: PLC0415
+    from megatron.core.datasets.indexed_dataset import (  # noqa: PLC0415
+        IndexedDataset,
+        get_bin_path,
+        get_idx_path,
+    )
+
+    idx, bin_ = get_idx_path(prefix), get_bin_path(prefix)
+    missing = [p for p in (bin_, idx) if not os.path.isfile(p)]
+    if missing:
+        what = f"{prefix}.bin/.idx" if len(missing) == 2 else missing[0]
+        hint = ""
+        for guess in (prefix[:-4] if prefix.endswith((".bin", ".idx")) else None,
+                      prefix + "_text_document"):
+            if guess and os.path.isfile(guess + ".idx"):
+                hint = f" (did you mean {guess}?)"
+                break
+        raise ValueError(f"{flag} {prefix}: no {what}{hint}; give the prefix of a megatron "
+                         "indexed dataset (tools/preprocess_data.py writes PREFIX.bin and "
+                         "PREFIX.idx)")
+    try:  # mmap=False: the .bin is not opened (an empty one cannot be mmapped)
+        index = IndexedDataset(prefix, multimodal=False, mmap=False).index
+        lengths, pointers = index.sequence_lengths, index.sequence_pointers
+        itemsize = numpy.dtype(index.dtype).itemsize
+    except Exception as e:  # noqa: BLE001 - megatron asserts / numpy raises on a bad index
+        raise ValueError(f"{flag} {prefix}: {idx} is not a readable megatron index file "
+                         f"({type(e).__name__}: {e}); re-run tools/preprocess_data.py") from None
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise ValueError(f"{flag} {prefix}: {bin_} is {actual:,} bytes but {idx} implies "
+                         f"{expected:,} ({len(lengths):,} sequences of "
+                         f"{numpy.dtype(index.dtype).name} tokens); the .bin is "
+                         f"{'truncated' if actual < expected else 'longer than indexed'} or "
+                         "belongs to another .idx: re-run tools/preprocess_data.py")
+    info = IndexedDatasetInfo(prefix, lengths, index)
+    if info.tokens() == 0:
+        raise ValueError(f"{flag} {prefix}: the dataset holds no tokens ({info.documents} "
+                         "documents); it cannot be trained on (was its preprocessing input "
+                         "empty?)")
+    return info
+
+
+def _split_matrix(split: str):
+    """megatron's own parse of ``--split``: [(begin, end) fraction or None] per split."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (  # noqa: PLC0415
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    try:  # megatron picks the numbers out of any text and normalises 0,0,0 to NaNs
+        ok = re.fullmatch(r"\s*[0-9.]+(\s*[,/ ]\s*[0-9.]+){0,2}\s*", split) and \
+            sum(float(v) for v in re.findall(r"[.0-9]+", split)) > 0
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split)) \
+            if ok else None
+    except Exception:  # noqa: BLE001 - '1.2.3' and the like
+        matrix = None
+    if matrix is None:
+        raise ValueError(f"--split {split} is invalid: give up to three non-negative weights "
+                         "train,valid,test, not all 0 (e.g. 969,30,1)")
+    return matrix
+
+
+def _document_range(documents: int, bookends) -> Tuple[int, int]:
+    """The documents megatron's builder gives one split (its own rounding)."""
+    return (int(round(bookends[0] * float(documents))),
+            int(round(bookends[1] * float(documents))))
+
+
+def check_splits(args: argparse.Namespace, parser=None,
+                 infos: Optional[Dict[str, IndexedDatasetInfo]] = None) -> None:
+    """Refuse a split that megatron-core's dataset builder cannot build, before it tries.
+
+    ``GPTDataset`` asked for ``n`` samples of a split holding ``T`` tokens repeats the split
+    ("epochs") until it has ``n * seq_length + 1`` tokens, counting epochs in a Python loop: with
+    ``T = 0`` (a split of 0 documents, e.g. the default ``--split 969,30,1`` on a small corpus,
+    or documents of no tokens) that loop never ends, even for ``n = 0``; with ``0 < T <
+    seq_length + 1`` every sample is the split repeated within itself (and the loop runs up to
+    ``n * seq_length`` times). So every split that is built must hold at least one sample
+    (``seq_length + 1`` tokens; ``n = 0`` only needs a token), for each dataset of a blend as
+    megatron apportions it. An unweighted blend of several prefixes is not repeated: it provides
+    ``sum (T - 1) // seq_length`` samples, which must cover what the run reads of its train and
+    valid splits. Raises ``ValueError`` naming the flag, the prefix, the split and the numbers.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: PLC0415
+        _get_size_per_split_per_dataset,
+    )
+    from megatron.core.datasets.utils import normalize  # noqa: PLC0415
+
+    if args.mock_data or _object_storage(args):
+        return
+    infos = dict(infos or {})
+    seq = args.seq_length
+    sizes = split_sizes(args)
+    surplus = GPTDatasetConfig.__dataclass_fields__["mid_level_dataset_surplus"].default
+    if args.data_path:
+        flag = "--data-path"
+        prefixes, weights = _blend(parser, args.data_path, flag)
+        matrix = _split_matrix(args.split)
+        per_split = [(flag, prefixes, weights, matrix[i], sizes[i]) for i in range(3)]
+    else:
+        per_split = []
+        for i, name in enumerate(_PATH_FLAGS[1:]):
+            tokens = getattr(args, name, None)
+            prefixes, weights = _blend(parser, tokens, _flag(name)) if tokens else (None, None)
+            per_split.append((_flag(name), prefixes, weights,
+                              (0.0, 1.0) if prefixes else None, sizes[i]))
+    for prefix in {p for _, ps, _, _, _ in per_split if ps for p in ps}:
+        if prefix not in infos:
+            flag = next(f for f, ps, _, _, _ in per_split if ps and prefix in ps)
+            infos[prefix] = check_indexed_dataset(prefix, flag)
+
+    def table(flag, prefix):
+        info = infos[prefix]
+        parts = []
+        for j, (f, ps, _, bookends, _) in enumerate(per_split):
+            if f == flag and bookends is not None and ps and prefix in ps:
+                b, e = _document_range(info.documents, bookends)
+                parts.append(f"{_SPLITS[j]} {e - b:,} documents / {info.tokens(b, e):,} tokens")
+        return "; ".join(parts)
+
+    for i, (flag, prefixes, weights, bookends, needed) in enumerate(per_split):
+        if bookends is None or not prefixes:
+            continue  # megatron builds no such split
+        where = (f"--split {args.split}: the {_SPLITS[i]} split of {flag}"
+                 if flag == "--data-path" else f"{flag}")
+        if weights is not None:
+            weights = normalize(weights)
+        # samples megatron asks of each dataset of the blend (None: one pass, no repeats)
+        if len(prefixes) == 1 and (weights is None or flag != "--data-path"):
+            asked = [needed]
+        elif weights is not None:
+            target = [0, 0, 0]
+            target[i] = needed
+            asked = [row[i] for row in _get_size_per_split_per_dataset(weights, target, surplus)]
+        else:
+            asked = [None] * len(prefixes)
+        provided = 0
+        for prefix, n in zip(prefixes, asked):
+            info = infos[prefix]
+            b, e = _document_range(info.documents, bookends)
+            tokens = info.tokens(b, e)
+            samples = max(tokens - 1, 0) // seq  # megatron's count: seq + 1 tokens per sample
+            provided += samples
+            if n is None:
+                continue
+            if tokens == 0 or (n > 0 and samples == 0):
+                why = ("megatron-core's GPTDataset would loop forever building it"
+                       if tokens == 0 else
+                       "megatron-core would repeat it inside every sample")
+                raise ValueError(
+                    f"{where} {prefix} holds {e - b:,} documents / {tokens:,} tokens, less than "
+                    f"one sample of --seq-length {seq} ({seq + 1} tokens): {why}. The run asks "
+                    f"{n:,} samples of it ({_need(i)}). Per split: {table(flag, prefix)}. "
+                    f"Give it more data{_split_hint(flag, i)}")
+        if asked[0] is None and (provided == 0 or (i < 2 and provided < needed and
+                                                   (i == 0 or args.eval_iters > 0))):
+            raise ValueError(
+                f"{where} (an unweighted blend of {len(prefixes)} datasets, read once without "
+                f"repeats) provides {provided:,} samples of --seq-length {seq}; the run needs "
+                f"{needed:,} ({_need(i)}). Give blend weights ('0.5 A 0.5 B': megatron then "
+                f"repeats the data), more data, or a shorter run{_split_hint(flag, i)}")
+
+
+def _object_storage(args) -> bool:
+    from megatron.core.datasets.object_storage_utils import is_object_storage_path  # noqa: PLC0415
+
+    return any(is_object_storage_path(t) for name in _PATH_FLAGS
+               for t in (getattr(args, name, None) or []))
+
+
+def _need(i: int) -> str:
+    return ("--train-iters/--train-samples x --global-batch-size" if i == 0 else
+            "--eval-iters x --global-batch-size")
+
+
+def _split_hint(flag: str, i: int) -> str:
+    if flag != "--data-path":
+        return ""
+    return (" or a larger share of --split" if i < 2 else
+            " or a larger share of --split (the trainer never reads the test split: --split "
+            "with a test weight of 0, e.g. 90,10,0, builds none)")
+
+
+def check_data(parser, args: argparse.Namespace) -> None:
+    """The start-up check of the data flags (``validate_args`` calls it; mock data passes): every
+    prefix of ``--data-path`` / ``--train/valid/test-data-path`` (blends' weights skipped) is a
+    complete indexed dataset (``check_indexed_dataset``) and every split can be built
+    (``check_splits``). A failure is ``parser.error`` (usage, the message, exit status 2)."""
+    if args.mock_data or _object_storage(args):
+        return  # s3:// / msc:// prefixes: megatron reads them through its own cache
+    try:
+        infos: Dict[str, IndexedDatasetInfo] = {}
+        for name in _PATH_FLAGS:
+            tokens: Sequence[str] = getattr(args, name, None) or []
+            if tokens:
+                for prefix in _blend(parser, tokens, _flag(name))[0]:
+                    if prefix not in infos:
+                        infos[prefix] = check_indexed_dataset(prefix, _flag(name))
+        check_splits(args, parser, infos)
+    except ValueError as e:
+        parser.error(str(e))
