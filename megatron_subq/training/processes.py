@@ -105,14 +105,20 @@ def _after_fork_in_child() -> None:
         die_with_parent(signal.SIGKILL, expected_parent=_fork_origin.pid)
 
 
-def _manager_initializer(worker_pid: int) -> None:
-    """Runs first in megatron's spawned Manager process: die with the worker that spawned it."""
-    die_with_parent(signal.SIGKILL, expected_parent=worker_pid)
+# What megatron's spawned Manager runs first (``exec`` of this text, the worker's PID formatted
+# in): die_with_parent without importing this package, whose import would cost the Manager the
+# whole of megatron_subq and megatron-core (seconds, hundreds of MB) at every run's first save.
+_MANAGER_INITIALIZER = """
+import ctypes, os, signal
+ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, int(signal.SIGKILL), 0, 0, 0)
+if os.getppid() != {worker}:
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
 def _results_queue_dying_with_worker():
     """megatron's ``filesystem_async._get_write_results_queue``, its Manager started with
-    ``_manager_initializer`` (a spawned child: the fork hook does not reach it)."""
+    ``_MANAGER_INITIALIZER`` (a spawned child: the fork hook does not reach it)."""
     from multiprocessing.managers import SyncManager  # noqa: PLC0415
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async  # noqa: PLC0415
@@ -120,7 +126,8 @@ def _results_queue_dying_with_worker():
 
     if filesystem_async._results_queue is None:
         manager = SyncManager(ctx=mp.get_context("spawn"))
-        manager.start(_manager_initializer, (os.getpid(),))
+        code = _MANAGER_INITIALIZER.format(PR_SET_PDEATHSIG=PR_SET_PDEATHSIG, worker=os.getpid())
+        manager.start(exec, (code, {}))
         filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
     return filesystem_async._results_queue
 
@@ -160,13 +167,20 @@ def uninstall_child_reaping() -> None:
         _original_results_queue = None
 
 
+def die_with_launcher(log: Callable = print) -> bool:
+    """A torchrun worker dies (SIGKILL) when its elastic agent dies; no-op without torchrun
+    (the parent is then a shell or a test). Returns True if set."""
+    if not under_torchrun():
+        return False
+    if not _LINUX:
+        _note_unsupported(log)
+        return False
+    return die_with_parent(signal.SIGKILL)
+
+
 def install_process_lifetimes(log: Callable = print) -> None:
     """At trainer start-up: a torchrun worker dies with its agent, and helpers with the worker."""
-    if under_torchrun():
-        if _LINUX:
-            die_with_parent(signal.SIGKILL)
-        else:
-            _note_unsupported(log)
+    die_with_launcher(log)
     install_child_reaping(log)
 
 
