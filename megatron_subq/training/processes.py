@@ -2,7 +2,7 @@
 write one save folder.
 
 * **Workers die with their torchrun agent.** Under torchrun (``TORCHELASTIC_RUN_ID`` in the
-  environment) ``die_with_parent`` asks Linux to SIGKILL the worker when the agent dies
+  environment) ``die_with_launcher`` asks Linux to SIGKILL the worker when the agent dies
   (``prctl(PR_SET_PDEATHSIG)``), so killing the agent no longer leaves workers training and saving
   as orphans. Without torchrun (``python pretrain_gpt.py``) the parent is a shell and nothing is
   set: a run started under ``nohup`` keeps running.
@@ -44,7 +44,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if _LINUX else None
 
 _noted_unsupported = False
 _fork_hook_registered = False
-_reaping = False  # the fork hook and the Manager initializer act only while this is on
+_reaping = False  # the fork hook acts only while this is on (install/uninstall_child_reaping)
 _fork_origin = threading.local()  # set in the parent just before a fork, read in the child
 _original_results_queue: Optional[Callable] = None
 
@@ -169,7 +169,9 @@ def uninstall_child_reaping() -> None:
 
 def die_with_launcher(log: Callable = print) -> bool:
     """A torchrun worker dies (SIGKILL) when its elastic agent dies; no-op without torchrun
-    (the parent is then a shell or a test). Returns True if set."""
+    (the parent is then a shell or a test). Returns True if set. SIGKILL, not SIGTERM: a worker
+    blocked in a collective, or one whose libraries handle SIGTERM, would otherwise go on; the
+    save lock and the helpers (PDEATHSIG of their own) need no clean-up code to run."""
     if not under_torchrun():
         return False
     if not _LINUX:
