@@ -26,8 +26,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="PR_SET_PDEATHSIG is Linux-only")
 
 # children import processes.py as a top-level module: no megatron_subq/torch import
-PRELUDE = (f"import json, os, sys, time\nsys.path.insert(0, {os.path.join(ROOT, 'megatron_subq', 'training')!r})\n"
-           "import processes\n")
+TRAINING = os.path.join(ROOT, "megatron_subq", "training")
+PRELUDE = f"import json, os, sys, time\nsys.path.insert(0, {TRAINING!r})\nimport processes\n"
 
 
 def _alive(pid: int) -> bool:
