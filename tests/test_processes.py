@@ -234,3 +234,56 @@ def test_stale_lock_file_of_a_dead_pid_is_taken_over(tmp_path):
         assert f"PID {dead.pid}" in notes[0]
     finally:
         lock.release()
+
+
+def _descendants(pid: int) -> list:
+    parents = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    parents[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = [c for c, pp in parents.items() if pp == parent]
+        out += children
+        todo += children
+    return out
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_torchrun_worker_leaves_no_process_behind(tmp_path):
+    """The issue's scenario end to end: torchrun, 2 workers saving every 5 iterations; once a
+    checkpoint is on disk, ``kill -9`` the rank-0 worker (the lock's holder). torchrun stops the
+    other worker; the killed worker's save Manager, resource tracker and forked children must go
+    too (before, the Manager and the tracker lived for ever)."""
+    from megatron_subq.testing import free_port
+
+    save = tmp_path / "save"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           os.path.join(ROOT, "examples", "pretrain_gpt.py"),
+           "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+           "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "2",
+           "--train-iters", "100000", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+           "NullTokenizer", "--vocab-size", "128", "--eval-iters", "0", "--eval-interval",
+           "100000", "--log-interval", "1000", "--save", str(save), "--save-interval", "5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(tmp_path / "log", "w") as log:
+        agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    tree = []
+    try:
+        _wait_for(lambda: (save / "latest_checkpointed_iteration.txt").exists(), timeout=300,
+                  what="the first checkpoint")
+        holder = json.loads((save / processes.LOCK_NAME).read_text())["pid"]
+        tree = _descendants(agent.pid)
+        assert holder in tree and len(_descendants(holder)) >= 2, (holder, tree)  # Manager+tracker
+        os.kill(holder, signal.SIGKILL)
+        agent.wait(timeout=120)
+        _wait_for(lambda: not [p for p in tree if _alive(p)], timeout=20,
+                  what=f"the processes of the run {tree} to die")
+    finally:
+        _kill(agent.pid, *tree)
