@@ -6,7 +6,8 @@ blocks (see docs/training.md).
 
 Modules: ``arguments`` (flags, ``--config`` files, start-up checks), ``tokenizer``, ``data``
 (GPTDataset + resumable sampler), ``checkpointing`` (torch_dist, tracker written last),
-``flops`` (per-variant model FLOPs), ``metrics`` (log line, TensorBoard, W&B), ``trainer``.
+``flops`` (per-variant model FLOPs), ``metrics`` (log line, TensorBoard, W&B), ``processes``
+(workers and checkpoint writers die with their parent, the ``--save`` lock), ``trainer``.
 """
 
 from .arguments import build_parser, parse_args

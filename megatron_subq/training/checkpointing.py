@@ -24,11 +24,15 @@ not restored.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pickle
 import random
+import re
 import shutil
 import time
-from typing import Optional, Tuple
+import zipfile
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -244,7 +248,8 @@ def prepare_load(args, tokenizer_vocab_size: int, log=print) -> int:
     if args.load:
         folder = checkpoint_folder(args.load, args.ckpt_step)
         if folder is not None and os.path.isdir(folder):
-            saved = dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))
+            with reading_checkpoint(folder):
+                saved = dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))
     mismatches = model_mismatches(saved, args) if saved else []
     if mismatches and not args.allow_model_change:
         raise ValueError(
@@ -420,7 +425,8 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
     if not os.path.isdir(folder):
         flag = "--ckpt-step" if args.ckpt_step is not None else f"--load ({TRACKER})"
         raise FileNotFoundError(f"{flag}: checkpoint folder {folder} does not exist")
-    common = dist_checkpointing.load_common_state_dict(folder)
+    with reading_checkpoint(folder):
+        common = dist_checkpointing.load_common_state_dict(folder)
     saved = common.get("args", {})
     saved_layout = (saved.get("tensor_model_parallel_size"),
                     saved.get("pipeline_model_parallel_size"))
@@ -456,8 +462,9 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
     request = _state_dict(model, optimizer, scheduler, with_optimizer=load_optim,
                           with_rng=load_rng, is_loading=True, optim_metadata=metadata or None)
     fresh = _drop_tensors_not_in(request, folder) if changed else []
-    state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
-                                    strict=StrictHandling.ASSUME_OK_UNEXPECTED)
+    with reading_checkpoint(folder):
+        state = dist_checkpointing.load(request, folder, get_default_load_sharded_strategy(folder),
+                                        strict=StrictHandling.ASSUME_OK_UNEXPECTED)
     for i, chunk in enumerate(model):
         key = "model" if len(model) == 1 else f"model{i}"
         missing, unexpected = unwrap(chunk).load_state_dict(state[key], strict=False)
@@ -563,4 +570,148 @@ def saved_args(folder_or_root: str, iteration: Optional[int] = None) -> dict:
     if os.path.isfile(os.path.join(folder_or_root, TRACKER)) or iteration is not None:
         it = iteration if iteration is not None else read_tracker(folder_or_root)
         folder = checkpoint_dir(folder_or_root, it)
-    return dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))
+    with reading_checkpoint(folder):
+        return dict(dist_checkpointing.load_common_state_dict(folder).get("args", {}))
+
+
+# ------------------------------------------------------------------------------------------------
+# damaged checkpoints: say which folder and file, and which complete checkpoint to load instead
+# ------------------------------------------------------------------------------------------------
+class CheckpointReadError(RuntimeError):
+    """A checkpoint's files cannot be read (truncated, overwritten, missing). The message names
+    the folder, the damaged file(s) where found, and the complete checkpoints beside it; the
+    original exception is chained (``__cause__``)."""
+
+
+_ITER_DIR = re.compile(r"^iter_(\d+)$")
+# exceptions (anywhere in the chain, or in torch's per-rank CheckpointException failures) that
+# mean the bytes on disk are bad, when no file can be pointed at
+_READ_ERRORS = (EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError, json.JSONDecodeError,
+                UnicodeDecodeError)
+
+
+def damaged_files(folder: str) -> List[str]:
+    """``file: reason`` for every file of a torch_dist checkpoint folder that is missing or cannot
+    be what the checkpoint says: ``metadata.json`` (not JSON), ``.metadata`` (not the pickled
+    index), ``common.pt`` (not a readable zip), a ``*.distcp`` shard missing or shorter than the
+    bytes the index places in it. Empty when nothing is found (garbage of the right length inside
+    a shard goes unnoticed: torch_dist keeps no checksums)."""
+    found = []
+
+    def path(name):
+        return os.path.join(folder, name)
+
+    try:
+        with open(path("metadata.json"), encoding="utf-8") as f:
+            if not isinstance(json.load(f), dict):
+                raise ValueError("not a JSON object")
+    except FileNotFoundError:
+        found.append(f"{path('metadata.json')}: missing")
+    except (OSError, ValueError) as e:
+        found.append(f"{path('metadata.json')}: unreadable ({type(e).__name__}: {e})")
+    try:
+        if not zipfile.is_zipfile(path("common.pt")):
+            raise zipfile.BadZipFile("not a torch.save zip archive (truncated or overwritten)")
+        with zipfile.ZipFile(path("common.pt")) as z:
+            bad = z.testzip()
+        if bad is not None:
+            raise zipfile.BadZipFile(f"member {bad} fails its CRC check")
+    except FileNotFoundError:
+        found.append(f"{path('common.pt')}: missing")
+    except (OSError, zipfile.BadZipFile) as e:
+        found.append(f"{path('common.pt')}: unreadable ({e})")
+    try:
+        with open(path(".metadata"), "rb") as f:
+            index = pickle.load(f)  # what torch.distributed.checkpoint itself reads
+        storage = index.storage_data
+    except FileNotFoundError:
+        found.append(f"{path('.metadata')}: missing")
+        return found
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        found.append(f"{path('.metadata')}: unreadable ({type(e).__name__}: {e})")
+        return found
+    needed = {}
+    for info in (storage or {}).values():
+        name = getattr(info, "relative_path", None)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        try:
+            actual = os.path.getsize(path(name))
+        except OSError:
+            found.append(f"{path(name)}: missing")
+            continue
+        if actual < size:
+            found.append(f"{path(name)}: truncated ({actual} bytes, the index needs {size})")
+    return found
+
+
+def complete_checkpoints(root: str) -> List[int]:
+    """Iterations of the ``iter_*`` folders under ``root`` (``.partial`` ones excluded) whose
+    files are all present and consistent (``damaged_files`` finds nothing), ascending."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = _ITER_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)) and \
+                not damaged_files(os.path.join(root, name)):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _read_error_in(e: BaseException, depth: int = 0) -> bool:
+    """Whether a bad-bytes error is anywhere in ``e``'s chain or torch's per-rank failures."""
+    if depth > 20 or e is None:
+        return False
+    if isinstance(e, _READ_ERRORS) and not isinstance(e, (FileNotFoundError, PermissionError)):
+        return True
+    if isinstance(e, RuntimeError) and "PytorchStreamReader" in str(e):
+        return True
+    for failure in (getattr(e, "failures", None) or {}).values():  # CheckpointException
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException) and _read_error_in(inner, depth + 1):
+            return True
+    return _read_error_in(e.__cause__ or e.__context__, depth + 1)
+
+
+def describe_damage(folder: str, error: Optional[BaseException] = None) -> str:
+    """The message of a ``CheckpointReadError`` for ``folder``: the damaged files (when they can
+    be found), and the complete checkpoints of its root with the flag that loads one."""
+    folder = os.path.normpath(folder)
+    root = os.path.dirname(folder) if _ITER_DIR.match(os.path.basename(folder)) else folder
+    files = damaged_files(folder)
+    text = f"checkpoint {folder} is damaged and cannot be loaded: "
+    text += "; ".join(files) if files else (
+        f"reading it failed ({type(error).__name__}: {str(error).strip()[:300]})" if error
+        else "reading it failed")
+    m = _ITER_DIR.match(os.path.basename(folder))
+    current = int(m.group(1)) if m else None
+    others = [i for i in complete_checkpoints(root) if i != current]
+    if not others:
+        return text + f". There is no other complete checkpoint in {root}."
+    earlier = [i for i in others if current is None or i < current]
+    pick = (earlier or others)[-1]
+    return (text + f". Complete checkpoints in {root}: iteration(s) "
+            f"{', '.join(str(i) for i in others)}; load one with `--ckpt-step {pick}` (or remove "
+            f"the damaged folder and fix {TRACKER}).")
+
+
+@contextlib.contextmanager
+def reading_checkpoint(folder: str):
+    """Turn a failure to read ``folder``'s files into a ``CheckpointReadError`` saying what is
+    damaged (the original exception chained). Errors that are not about the bytes on disk — a
+    model that does not match the checkpoint's shapes, a missing key — pass through unchanged.
+    (torch's ``CheckpointException`` is a ``BaseException``, hence the broad catch.)"""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, CheckpointReadError):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        if not os.path.isdir(folder):  # not there at all: not "damaged"
+            raise
+        if damaged_files(folder) or _read_error_in(e):
+            raise CheckpointReadError(describe_damage(folder, e)) from e
+        raise

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import arguments
+from . import arguments, processes
 from .checkpointing import (
     load_checkpoint,
     prepare_load,
@@ -356,10 +356,19 @@ def pretrain(argv=None) -> Dict:
     """Run the trainer with Megatron-LM-style flags. Returns a summary (losses on the last rank)."""
     world = dist.get_world_size() if dist.is_initialized() else None
     args = arguments.parse_args(argv, world_size=world)
+    processes.install_process_lifetimes(log=print_rank_0)
     created = initialize_distributed(args)
+    lock = None
     try:
+        try:  # before anything is written (collective: every rank fails together)
+            lock = processes.lock_save_folder(args, log=print_rank_0)
+        except processes.SaveFolderLocked as e:
+            arguments.fail(args, str(e))
         return _run(args)
     finally:
+        if lock is not None:
+            lock.release()
+        processes.uninstall_child_reaping()
         teardown(created)
 
 
