@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_subq import SubqTransformerConfig, build_gpt_model
-    from megatron_subq.testing import free_port, init_parallel
+    from megatron_subq.distributed import free_port
+    from megatron_subq.testing import init_parallel
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
