@@ -33,6 +33,8 @@ def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
 def kernel_package(name: str) -> ModuleType:
     """``megatron_subq.kernels.<name>``; on the CPU, check its kernels really are interpreted."""
     pkg = importlib.import_module(f"megatron_subq.kernels.{name}")
+    for attr in pkg.__all__:  # the kernel modules load lazily: load them for the check below
+        getattr(pkg, attr)
     if DEVICE == "cpu":
         from triton.runtime.jit import JITFunction  # noqa: PLC0415
 
