@@ -11,8 +11,10 @@ window length w = floor((sw_index+1)^(1/p)) - 1:
 * A_{i,t}            = softmax attention of Q(i) (scale 1/sqrt(D)) over S_t u W, de-duplicated;
 * output             o_i = sum_t alpha_t A_{i,t};  with no anchor at all, attention over W.
 
-Every power is computed exactly in integer arithmetic (``ops.powers``); the factors b and f are
-taken as the rationals they stand for (``as_fraction``), so ceil(b*l) is exact too.
+Every power is computed exactly in integer arithmetic (``kernels/powers.py``); the factors b and
+f are taken as the rationals they stand for (``as_fraction``), so ceil(b*l) is exact too. The
+geometry (window, anchor offsets, span extents: ``SuperlinearPlan``) lives in
+``kernels/superlinear/plan.py``, shared with the kernels, and is re-exported here.
 
 Choices where the definition is silent (docs/variants.md):
 
