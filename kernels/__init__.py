@@ -1,6 +1,9 @@
-"""Triton kernels, installed as ``megatron_subq.kernels`` (one folder per op).
+"""Triton kernels, installed as ``megatron_subq.kernels`` (one folder per op): the bottom layer.
 
-Each op folder holds its forward/backward/decode kernels and one ``torch.autograd.Function``;
-``megatron_subq.ops.<op>`` dispatches to it on CUDA (or under ``TRITON_INTERPRET=1``) and tests
-compare it against the op's PyTorch reference.
+It imports nothing of ``megatron_subq``; the ops import it. Triton-free, for both sides:
+``checks`` (input and ``cu_seqlens`` checks), ``powers`` (exact integer powers), and per op
+``plan`` (PPA's offsets, Superlinear's geometry) or ``state`` (decode-state types). Each op folder
+holds its forward/backward/decode kernels and one ``torch.autograd.Function`` (``function.py``,
+loaded on first use); ``megatron_subq.ops.<op>`` dispatches to it on CUDA (or under
+``TRITON_INTERPRET=1``) and tests compare it against the op's PyTorch reference.
 """

@@ -4,15 +4,15 @@ check of the kernels' 32-bit offsets."""
 import triton
 import triton.language as tl
 
+from .checks import check_qkv
+
 INT32_MAX = 2**31 - 1
 
 
 def check_chunk_kernel_inputs(op: str, q, k, v, dtypes) -> tuple:
-    """The checks the nonapprox and approx kernels share, beyond ``ops.dispatch.check_qkv``: at
+    """The checks the nonapprox and approx kernels share, beyond ``checks.check_qkv``: at
     least one token, a dtype they compile for, v's head dim equal to q's. Returns
     ``(B, T, H, H_kv, D)``."""
-    from megatron_subq.ops.dispatch import check_qkv  # noqa: PLC0415
-
     B, T, H, H_kv, D = check_qkv(op, q, k, v)
     if T < 1:
         raise ValueError(f"{op}: q, k, v must hold at least one token (T >= 1)")

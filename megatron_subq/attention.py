@@ -102,11 +102,3 @@ def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
     """The document boundaries of megatron's THD ``packed_seq_params`` (padded ones if given)."""
     cu = packed_seq_params.cu_seqlens_q_padded
     return packed_seq_params.cu_seqlens_q if cu is None else cu
-
-
-def packed_sequence_variants() -> list:
-    """Names of the registered variants whose attention takes packed sequences."""
-    from .variants import VARIANTS  # noqa: PLC0415 - variants import this module
-
-    return sorted(name for name, variant in VARIANTS.items()
-                  if variant.packed_sequences)

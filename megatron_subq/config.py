@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .ops.powers import as_fraction, floor_power
+from .kernels.powers import as_fraction, floor_power
 
 ASA_NORMALIZE_MODES = ("linear", "none", "mean")
 SUBQ_IMPLS = ("reference", "kernel")

@@ -21,8 +21,8 @@ def init_single_process(seed: int = 1234) -> None:
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
-    from .testing.cpu import install_cpu_fallbacks  # noqa: PLC0415
-    from .testing.distributed import free_port  # noqa: PLC0415
+    from .cpu import install_cpu_fallbacks  # noqa: PLC0415
+    from .distributed import free_port  # noqa: PLC0415
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

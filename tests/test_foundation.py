@@ -144,7 +144,7 @@ def test_quickstart_trains_with_falling_loss():
 
 def test_integer_root_is_exact_for_huge_arguments():
     """floor(x^p) stays exact (and fast) where floats cannot: 2^1000-sized powers, b up to 1000."""
-    from megatron_subq.ops.powers import floor_power, integer_root
+    from megatron_subq.kernels.powers import floor_power, integer_root
 
     for b in (2, 3, 7, 1000):
         for r in (3, 10**20 + 7, 2**333 + 1):

@@ -4,7 +4,7 @@ declares support, at TP=1 and TP=2 + SP; the others refuse with an error naming 
 
 import pytest
 
-from megatron_subq.attention import packed_sequence_variants
+from megatron_subq.variants import packed_sequence_variants
 from megatron_subq.testing import run_distributed
 from megatron_subq.testing.packed import packed_vs_separate_losses
 

@@ -8,7 +8,7 @@ import torch
 
 from megatron_subq import SubqTransformerConfig, VARIANTS
 from megatron_subq.ops import ppa_attention, ppa_offsets, standard_attention
-from megatron_subq.ops.powers import floor_power
+from megatron_subq.kernels.powers import floor_power
 from megatron_subq.ops.ppa import (default_chunk_size, ppa_attention_masked,
                                    ppa_attention_reference, ppa_far_offsets, ppa_mask)
 from megatron_subq.testing import run_distributed

@@ -260,7 +260,7 @@ def test_kill_9_of_a_torchrun_worker_leaves_no_process_behind(tmp_path):
     checkpoint is on disk, ``kill -9`` the rank-0 worker (the lock's holder). torchrun stops the
     other worker; the killed worker's save Manager, resource tracker and forked children must go
     too (before, the Manager and the tracker lived for ever)."""
-    from megatron_subq.testing import free_port
+    from megatron_subq.distributed import free_port
 
     save = tmp_path / "save"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

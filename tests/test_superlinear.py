@@ -12,8 +12,8 @@ import torch
 import megatron_subq as subq
 from megatron_subq import ops
 from megatron_subq.ops.standard import standard_attention_reference
+from megatron_subq.kernels.superlinear.plan import _span_scale_table
 from megatron_subq.ops.superlinear import (
-    _span_scale_table,
     anchor_offsets,
     ceil_power,
     ceil_times,

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_subq import VARIANTS  # noqa: E402
-from megatron_subq.testing import free_port, run_distributed  # noqa: E402
+from megatron_subq.distributed import free_port  # noqa: E402
+from megatron_subq.testing import run_distributed  # noqa: E402
 from megatron_subq.training import arguments  # noqa: E402
 from megatron_subq.training.checkpointing import read_tracker  # noqa: E402
 

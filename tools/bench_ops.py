@@ -406,7 +406,7 @@ def _time(fn) -> float:
 def _graph_replay(fn) -> Callable[[], None]:
     """``fn`` captured in a CUDA graph; returns the replay. Timing the replay measures the GPU
     work alone, without the host's per-launch cost — what a CUDA-graphed training step sees."""
-    from megatron_subq.testing.kernels import capture_cuda_graph
+    from megatron_subq.cuda_graphs import capture_cuda_graph
 
     return capture_cuda_graph(fn, warmup=3)[0].replay
 

@@ -6,6 +6,23 @@ dispatch to for ``impl="kernel"`` (CUDA, or CPU tensors under ``TRITON_INTERPRET
 steps use ``megatron_subq.ops.approx_decode_step`` (a few torch ops on the state, in place).
 """
 
-from .function import ApproxChunkFunction, approx_attention_kernel, kernel_supports
+import importlib
+
+# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
+# package's triton-free modules (state.py) at its own import, before TRITON_INTERPRET may be set
+# and where triton may be absent; the names below then import function.py when first asked for.
+_LAZY = {
+    "ApproxChunkFunction": ".function",
+    "approx_attention_kernel": ".function",
+    "kernel_supports": ".function",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name], __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["ApproxChunkFunction", "approx_attention_kernel", "kernel_supports"]

@@ -14,11 +14,9 @@ import os
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import triton_interpreting
-
-from ..scan import scan_pair as _scan_pair
+from ..checks import triton_interpreting
 from ..common import check_chunk_kernel_inputs, check_int32_offsets
-
+from ..scan import scan_pair as _scan_pair
 from .chunk import (
     approx_bwd_delta_kernel,
     approx_bwd_dk_kernel,
@@ -30,6 +28,7 @@ from .chunk import (
     approx_fwd_out_kernel,
     approx_fwd_states_kernel,
 )
+from .state import ApproxState, check_eps, check_state
 
 # tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles, and the chunk
 # states (two D x D per chunk) shrink with longer chunks. 16-bit inputs use 128: on an H100
@@ -290,11 +289,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
     Returns o ``[B, T, H, D]`` in q.dtype, or ``(o, ApproxState)`` after the T tokens when
     ``output_final_state`` — in the given state's dtype, else fp32, as the reference does.
     """
-    from megatron_subq.ops.approx import ApproxState, _check_eps, _check_state  # noqa: PLC0415
-
     op = "approx_attention_kernel"
     B, T, H, H_kv, D = check_chunk_kernel_inputs(op, q, k, v, SUPPORTED_DTYPES)
-    _check_eps(op, eps)
+    check_eps(op, eps)
     if D > MAX_HEAD_DIM:
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "
@@ -305,7 +302,7 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:
-        _check_state(op, state, B, H_kv, D)
+        check_state(op, state, B, H_kv, D)
         # kernel argument order: kv1, kv2, sum_k1, sum_k2, sum_v
         tensors0 = tuple(t.detach().to(torch.float32).contiguous()
                          for t in (state.kv1, state.kv2, state.sum_k1, state.sum_k2, state.sum_v))

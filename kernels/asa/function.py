@@ -16,11 +16,9 @@ from typing import Optional
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import triton_interpreting
-
+from ..checks import check_cu_seqlens, triton_interpreting
 from ..common import check_int32_offsets
 from ..scan import scan as _scan, scan_pair as _scan_pair
-
 from .chunk import (
     asa_bwd_block_kernel,
     asa_bwd_dp_kernel,
@@ -30,6 +28,7 @@ from .chunk import (
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
+from .state import ASAState
 
 NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
 LAUNCH_ENV = "MEGATRON_SUBQ_ASA_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
@@ -384,18 +383,17 @@ class ASAChunkFunction(torch.autograd.Function):
 
 def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_state=None,
                          output_final_state: bool = False,
-                         cu_seqlens: Optional[torch.Tensor] = None):
+                         cu_seqlens: Optional[torch.Tensor] = None,
+                         seq_bounds: Optional[list] = None):
     """Causal ASA through the Triton kernels. Shapes as ``ops.asa_attention`` (checked there).
 
     Returns o ``[B, T, H, Dv]`` (q.dtype), or ``(o, ASAState(S, z))`` when
     ``output_final_state``; ``initial_state`` is an ``ASAState`` (fp32) or None. ``cu_seqlens``
     (B = 1, ``[0, end_1, ..., T]``): packed sequences, each with its own fresh state (not
-    combinable with initial/final states, which belong to one sequence).
+    combinable with initial/final states, which belong to one sequence). ``seq_bounds``: the
+    list ``checks.check_cu_seqlens`` returned for it, which ``ops.asa_attention`` hands over so
+    that a call syncs with the host once; without it the boundaries are checked (and read) here.
     """
-    from megatron_subq.ops.asa import ASAState  # noqa: PLC0415
-    from megatron_subq.ops.dispatch import check_cu_seqlens  # noqa: PLC0415
-
-
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
             f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
@@ -409,12 +407,14 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     check_int32_offsets("asa_attention_kernel", q=q.numel(), k=k.numel(), v=v.numel(),
                         output=B * T * H * Dv, feature_grads=B * T * H * m,
                         chunk_states=B * H * triton.cdiv(T, 64) * m * Dv)
-    seq_bounds = None
     if cu_seqlens is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("asa_attention_kernel: cu_seqlens cannot be combined with "
                              "initial_state or output_final_state (states are per sequence)")
-        seq_bounds = check_cu_seqlens("asa_attention", cu_seqlens, q)
+        if seq_bounds is None:
+            seq_bounds = check_cu_seqlens("asa_attention", cu_seqlens, q)
+    elif seq_bounds is not None:
+        raise ValueError("asa_attention_kernel: seq_bounds is given without cu_seqlens")
     s0 = z0 = None
     if initial_state is not None:
         s0, z0 = initial_state

@@ -13,10 +13,8 @@ import math
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import triton_interpreting
-
+from ..checks import triton_interpreting
 from ..common import check_chunk_kernel_inputs, check_int32_offsets
-
 from .chunk import (
     nonapprox_bwd_grad_kernel,
     nonapprox_bwd_scan_kernel,
@@ -25,6 +23,7 @@ from .chunk import (
     nonapprox_fwd_scan_kernel,
     nonapprox_fwd_summary_kernel,
 )
+from .state import NonapproxState, check_state
 
 # tokens per chunk: the [BT, BT] weight block times [BT, D] values is one MMA tile. 32 above
 # D = 64 keeps the backward's [BT, D] tiles in registers (at 64 ptxas spills ~600 B per thread)
@@ -131,14 +130,12 @@ def nonapprox_attention_kernel(q, k, v, state=None, output_final_state: bool = F
     fp32). Returns o ``[B, T, H, D]`` in q.dtype, or ``(o, NonapproxState)`` after the T tokens
     when ``output_final_state`` — in the given state's dtype, else fp32, as the reference does.
     """
-    from megatron_subq.ops.nonapprox import NonapproxState, _check_state  # noqa: PLC0415
-
     op = "nonapprox_attention_kernel"
     B, T, H, H_kv, D = check_chunk_kernel_inputs(op, q, k, v, SUPPORTED_DTYPES)
     check_int32_offsets(op, q=q.numel(), k=k.numel())
     max0 = den0 = num0 = None
     if state is not None:
-        _check_state(op, state, B, H, D)
+        check_state(op, state, B, H, D)
         max0, den0, num0 = (t.detach().to(torch.float32).contiguous()
                             for t in (state.max, state.den, state.num))
     o, fmax, fden, fnum = NonapproxChunkFunction.apply(q, k, v, max0, den0, num0,

@@ -24,11 +24,9 @@ import numpy as np
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import triton_interpreting
-from megatron_subq.ops.dispatch import check_cu_seqlens
-from megatron_subq.ops.ppa import _offsets_array, ppa_power_fraction
-
+from ..checks import triton_interpreting
 from .kernels import ppa_bwd_dkdv_kernel, ppa_bwd_dq_kernel, ppa_fwd_kernel
+from .plan import offsets_array, ppa_power_fraction
 
 DENSE_GAP = 8
 """Offsets at most this far past the previous one join the dense tiles (see the module doc)."""
@@ -87,7 +85,7 @@ def offset_plan(p: Fraction, window: int, T: int, dense_gap: int, block_m: int, 
     key = (p, window, T, dense_gap, block_m, block_n, str(device))
     if key in _PLANS:
         return _PLANS[key]
-    offsets = _offsets_array(p, max(T - 1, 0))  # S_p ∩ [1, T-1]: every offset that can matter
+    offsets = offsets_array(p, max(T - 1, 0))  # S_p ∩ [1, T-1]: every offset that can matter
     reach = min(dense_reach(offsets, window, dense_gap), max(T - 1, 0))
     attended = np.zeros(reach + 1, dtype=np.int8)
     attended[: window + 1] = 1
@@ -189,11 +187,14 @@ def ppa_attention_kernel(q, k, v, power, window: int, scale: Optional[float] = N
                          block_n: Optional[int] = None) -> torch.Tensor:
     """PPA through the Triton kernels. q: [B, T, H, D]; k, v: [B, T, H_kv, D] -> [B, T, H, D].
 
-    Arguments are those of ``ops.ppa_attention`` (which checks them; ``cu_seqlens``: packed
-    variable-length sequences, B = 1); ``dense_gap``, ``block_m`` and ``block_n`` tune the split
+    Arguments are those of ``ops.ppa_attention``, which checks them once and hands over ``power``
+    as the ``Fraction`` of ``plan.ppa_power_fraction`` (taken as is here; a float from a direct
+    call is converted and checked by it) and ``cu_seqlens`` (packed variable-length sequences,
+    B = 1) already checked, so no second host sync (direct callers check it with
+    ``checks.check_cu_seqlens``). ``dense_gap``, ``block_m`` and ``block_n`` tune the split
     between dense tiles and diagonals and the tile sizes (powers of two >= 16).
     """
-    p = ppa_power_fraction(power)
+    p = power if isinstance(power, Fraction) else ppa_power_fraction(power)
     D = q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cfg = launch_config(D, block_m, block_n)
@@ -204,6 +205,4 @@ def ppa_attention_kernel(q, k, v, power, window: int, scale: Optional[float] = N
     if isinstance(dense_gap, bool) or not isinstance(dense_gap, int) or dense_gap < 0:
         raise ValueError(f"ppa_attention_kernel: dense_gap={dense_gap!r} is invalid: allowed an "
                          "integer >= 0")
-    if cu_seqlens is not None:
-        check_cu_seqlens("ppa_attention", cu_seqlens, q)
     return PPAFunction.apply(q, k, v, p, int(window), scale, dense_gap, cfg, cu_seqlens)

@@ -9,10 +9,29 @@ query offset) and ``superlinear_decode_kernel`` (``decode.py``: one query, split
 and the kept spans) serve ``ops.superlinear_prefill`` and ``ops.superlinear_decode_step``.
 """
 
-from .decode import superlinear_decode_kernel
-from .function import (LaunchConfig, SuperlinearSpanFunction, launch_config, search_topk,
-                       span_bounds, superlinear_attention_kernel, superlinear_prefill_kernel)
+import importlib
 
-__all__ = ["LaunchConfig", "SuperlinearSpanFunction", "launch_config", "search_topk",
-           "span_bounds", "superlinear_attention_kernel", "superlinear_decode_kernel",
-           "superlinear_prefill_kernel"]
+# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
+# package's triton-free modules (plan.py) at its own import, before TRITON_INTERPRET may be set
+# and where triton may be absent; the names below then import decode.py and function.py when
+# first asked for.
+_LAZY = {
+    "superlinear_decode_kernel": ".decode",
+    "LaunchConfig": ".function",
+    "SuperlinearSpanFunction": ".function",
+    "launch_config": ".function",
+    "search_topk": ".function",
+    "span_bounds": ".function",
+    "superlinear_attention_kernel": ".function",
+    "superlinear_prefill_kernel": ".function",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name], __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = list(_LAZY)

@@ -36,9 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_subq.ops.dispatch import triton_interpreting
-from megatron_subq.ops.superlinear import (anchor_offsets, capacity_bucket, ceil_power,
-                                           ceil_times, superlinear_window)
+from ..checks import triton_interpreting
+from .plan import anchor_offsets, capacity_bucket, ceil_power, ceil_times, superlinear_window
 
 
 @triton.jit

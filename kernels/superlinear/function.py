@@ -55,16 +55,14 @@ from typing import Optional
 import torch
 import triton
 
-from megatron_subq.ops.dispatch import triton_interpreting
-
+from ..checks import triton_interpreting
 from ..common import check_int32_offsets
-from megatron_subq.ops.superlinear import SuperlinearPlan, superlinear_plan, superlinear_plan_range
-
 from .kernels import (gate_bwd_kernel, mix_bwd_kernel, mix_fwd_kernel, search_topk_group_kernel,
                       search_topk_kernel,
                       sort_pairs_kernel, span_bwd_dkdv_kernel,
                       span_bwd_kernel, span_fwd_kernel, window_bwd_dkdv_kernel, window_bwd_kernel,
                       window_fwd_kernel)
+from .plan import SuperlinearPlan, superlinear_plan, superlinear_plan_range
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,14 @@ The decode state is per key/value head: ``3 d_h`` vector entries (sum v, sum k~,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels.approx.state import ApproxState
+from ..kernels.approx.state import check_eps as _check_eps
+from ..kernels.approx.state import check_state as _check_state
 from .dispatch import check_qkv, choose_impl, repeat_kv
 
 DEFAULT_EPS = 1e-6
@@ -69,11 +71,6 @@ def safe_denominator(den: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(den.abs() < eps, guard, den)
 
 
-def _check_eps(op: str, eps: float) -> None:
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"{op}: eps={eps!r} is invalid: allowed a positive number")
-
-
 # ---------------------------------------------------------------------------------------------
 # The O(L^2) definition
 # ---------------------------------------------------------------------------------------------
@@ -101,31 +98,6 @@ def approx_attention_quadratic(q, k, v, eps: float = DEFAULT_EPS) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # Decode state and the recurrent form
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class ApproxState:
-    """Running sums of one layer after ``length`` tokens, per sequence and key/value head.
-
-    sum_v, sum_k1, sum_k2: [B, H_kv, D]    (sum v, sum k~, sum phi(k~))
-    kv1, kv2:              [B, H_kv, D, D] (sum k~^T v, sum phi(k~)^T v)
-    ``length`` (the token count, shared by the batch) is the decoder's position, not a cache entry.
-    The tensors' dtype is the storage dtype; updates are computed in the accumulation dtype.
-    """
-
-    sum_v: torch.Tensor
-    sum_k1: torch.Tensor
-    sum_k2: torch.Tensor
-    kv1: torch.Tensor
-    kv2: torch.Tensor
-    length: int = 0
-
-    def tensors(self) -> Tuple[torch.Tensor, ...]:
-        return (self.sum_v, self.sum_k1, self.sum_k2, self.kv1, self.kv2)
-
-    def nbytes(self) -> int:
-        """Bytes kept for this layer (Table 8 counts these at 2 bytes per entry)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
 def approx_empty_state(batch: int, kv_heads: int, head_dim: int, device=None,
                        dtype: torch.dtype = torch.float32) -> ApproxState:
     """The state before the first token (zeros). ``dtype`` is the storage dtype: fp32 by default;
@@ -135,14 +107,6 @@ def approx_empty_state(batch: int, kv_heads: int, head_dim: int, device=None,
 
     return ApproxState(zeros(head_dim), zeros(head_dim), zeros(head_dim),
                        zeros(head_dim, head_dim), zeros(head_dim, head_dim), 0)
-
-
-def _check_state(op: str, state: ApproxState, B: int, H_kv: int, D: int) -> None:
-    if not isinstance(state, ApproxState):
-        raise TypeError(f"{op}: state must be an ApproxState, got {type(state).__name__}")
-    if state.kv1.shape != (B, H_kv, D, D):
-        raise ValueError(f"{op}: state is for [B, H_kv, D]={tuple(state.sum_v.shape)}, got k/v "
-                         f"with B={B}, H_kv={H_kv}, D={D}")
 
 
 def approx_decode_step(q, k, v, state: ApproxState, eps: float = DEFAULT_EPS) -> torch.Tensor:

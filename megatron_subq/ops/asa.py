@@ -37,22 +37,15 @@ Functions (all in fp32 internally, outputs in ``q.dtype``):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from ..kernels.asa.state import ASAState
 from .dispatch import check_cu_seqlens, check_qkv, choose_impl, repeat_kv
 
 ASA_NORMALIZE_MODES = ("linear", "none", "mean")
 REFERENCE_CHUNK = 64
-
-
-class ASAState(NamedTuple):
-    """The recurrent state after some tokens: ``S = Σ k'ᵀ v`` ``[B, H, m, Dv]`` and ``z = Σ k'``
-    ``[B, H, m]``, per query head, in the accumulation dtype (fp32; fp64 for fp64 inputs)."""
-
-    S: torch.Tensor
-    z: torch.Tensor
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -261,7 +254,8 @@ def asa_attention(q, k, v, p_q, p_k, normalize: str = "linear", impl: Optional[s
     kernel = _kernel(q, v, p_q, impl)
     if choose_impl("asa_attention", impl, (q, k, v, p_q, p_k), kernel) == "kernel":
         if bounds is not None:
-            return kernel(q, k, v, p_q, p_k, normalize=normalize, cu_seqlens=cu_seqlens)
+            return kernel(q, k, v, p_q, p_k, normalize=normalize, cu_seqlens=cu_seqlens,
+                          seq_bounds=bounds)
         return kernel(q, k, v, p_q, p_k, normalize=normalize)
     if bounds is not None:
         return asa_attention_varlen_reference(q, k, v, p_q, p_k, normalize, bounds)

@@ -28,12 +28,13 @@ head: ``num`` [B, H, D], ``den`` and ``max`` [B, H] — for 2-byte storage exact
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels.nonapprox.state import NonapproxState
+from ..kernels.nonapprox.state import check_state as _check_state
 from .dispatch import check_qkv, choose_impl, repeat_kv
 
 DEFAULT_CHUNK = 64
@@ -67,28 +68,6 @@ def nonapprox_attention_quadratic(q, k, v) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # Decode state and the recurrent form
 # ---------------------------------------------------------------------------------------------
-@dataclass
-class NonapproxState:
-    """The running softmax of one layer after ``length`` tokens, per sequence and query head.
-
-    num: [B, H, D] = sum_j exp(s_j - max) v_j;  den: [B, H] = sum_j exp(s_j - max) (>= 1 once a
-    token is in); max: [B, H] = max_j s_j (-inf before the first token). ``length`` is the
-    decoder's position, not a cache entry. The tensors' dtype is the storage dtype.
-    """
-
-    num: torch.Tensor
-    den: torch.Tensor
-    max: torch.Tensor
-    length: int = 0
-
-    def tensors(self) -> Tuple[torch.Tensor, ...]:
-        return (self.num, self.den, self.max)
-
-    def nbytes(self) -> int:
-        """Bytes kept for this layer (Table 8 counts these at 2 bytes per entry)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors())
-
-
 def nonapprox_empty_state(batch: int, heads: int, head_dim: int, device=None,
                           dtype: torch.dtype = torch.float32) -> NonapproxState:
     """The state before the first token. ``heads`` is the query head count; ``dtype`` the storage
@@ -97,14 +76,6 @@ def nonapprox_empty_state(batch: int, heads: int, head_dim: int, device=None,
     return NonapproxState(torch.zeros(batch, heads, head_dim, dtype=dtype, device=device),
                           torch.zeros(batch, heads, dtype=dtype, device=device),
                           torch.full((batch, heads), float("-inf"), dtype=dtype, device=device), 0)
-
-
-def _check_state(op: str, state: NonapproxState, B: int, H: int, D: int) -> None:
-    if not isinstance(state, NonapproxState):
-        raise TypeError(f"{op}: state must be a NonapproxState, got {type(state).__name__}")
-    if state.num.shape != (B, H, D):
-        raise ValueError(f"{op}: state is for [B, H, D]={tuple(state.num.shape)}, got q with "
-                         f"B={B}, H={H}, D={D}")
 
 
 def nonapprox_decode_step(q, k, v, state: NonapproxState) -> torch.Tensor:

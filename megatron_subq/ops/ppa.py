@@ -18,23 +18,21 @@ Three forms of the same op:
 
 Exactness: ``floor(j^p)`` is never taken from a float ``pow``. A power p is the rational a/b of
 ``powers.as_fraction`` (denominator <= 1000; a float must be exactly the float of that rational,
-so 0.5, 1/3, 0.875 and 0.333 (= 333/1000) are accepted and 0.1234 is refused).
+so 0.5, 1/3, 0.875 and 0.333 (= 333/1000) are accepted and 0.1234 is refused). The power's check
+and the offsets live in ``kernels/ppa/plan.py``, shared with the kernel.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from fractions import Fraction
-from functools import lru_cache
 from typing import List, Optional
 
-import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.ppa.plan import offsets_array, ppa_power_fraction
 from .dispatch import check_cu_seqlens, check_qkv, choose_impl
-from .powers import MAX_DENOMINATOR, as_fraction
 
 # Query-key pairs (per batch entry and head) one chunk of the reference may hold.
 _CHUNK_PAIRS = 1 << 16
@@ -43,28 +41,6 @@ _CHUNK_PAIRS = 1 << 16
 # ---------------------------------------------------------------------------------------------
 # arguments
 # ---------------------------------------------------------------------------------------------
-def ppa_power_fraction(power, what: str = "power") -> Fraction:
-    """The exact rational a/b that ``power`` stands for; ValueError naming ``what`` otherwise.
-
-    A ``Fraction`` in [0, 1] is taken as is. A float must be in [0, 1] and equal to the float of
-    its nearest fraction with denominator <= 1000 (``powers.as_fraction``): 1/3 -> 1/3,
-    0.333 -> 333/1000, 0.875 -> 7/8; 0.1234 is refused rather than silently rounded.
-    """
-    if isinstance(power, bool) or not isinstance(power, (numbers.Real, Fraction)):
-        raise ValueError(f"{what}={power!r} is invalid: allowed a number in [0, 1]")
-    if not 0 <= power <= 1:
-        raise ValueError(f"{what}={power!r} is invalid: allowed a number in [0, 1]")
-    if isinstance(power, (Fraction, numbers.Integral)):
-        return Fraction(power)
-    frac = as_fraction(float(power))
-    if float(frac) != float(power):
-        raise ValueError(
-            f"{what}={power!r} is invalid: allowed a rational a/b with b <= {MAX_DENOMINATOR} "
-            f"(as a float, e.g. 0.5, 1/3, 0.875, or a fractions.Fraction); the nearest is "
-            f"{frac} = {float(frac)!r}")
-    return frac
-
-
 def _check_window(window, what: str = "window") -> int:
     if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
         raise ValueError(f"{what}={window!r} is invalid: allowed an integer >= 0")
@@ -74,53 +50,6 @@ def _check_window(window, what: str = "window") -> int:
 # ---------------------------------------------------------------------------------------------
 # offsets
 # ---------------------------------------------------------------------------------------------
-@lru_cache(maxsize=64)
-def _offsets_array(p: Fraction, max_offset: int) -> np.ndarray:
-    """Sorted ``S_p ∩ [1, max_offset]`` as int64 (see ``ppa_offsets``)."""
-    if p == 0 or max_offset < 1:
-        return np.zeros(0, dtype=np.int64)  # floor(j^0) = 1 for every j >= 0: nothing increments
-    # For 0 < p <= 1 the floor grows by at most 1 per step, so S_p holds exactly one offset per
-    # value r = 1, 2, ..., R = floor(max_offset^p): the first j with floor(j^p) >= r. With p = a/b,
-    # floor(j^p) >= r  <=>  j^a >= r^b  (floor_power's definition), so that j is ceil(r^(b/a)).
-    a, b = p.numerator, p.denominator
-    R = _largest_r(max_offset, a, b)
-    r = np.arange(1, R + 1, dtype=np.int64)
-    if a == 1:  # p = 1/n: the offsets are the n-th powers, in exact int64 arithmetic
-        return r**b
-    # Otherwise ceil(r^(b/a)) from float64, which is exact wherever r^(b/a) is farther from an
-    # integer than float error (~1e-15 relative; we allow 1e-12); the few values that are not get
-    # settled in integer arithmetic.
-    x = r.astype(np.float64) ** (b / a)
-    out = np.ceil(x).astype(np.int64)
-    near_integer = np.abs(x - np.rint(x)) <= 1e-12 * np.maximum(x, 1.0)
-    for idx in np.flatnonzero(near_integer):
-        out[idx] = _first_offset_reaching(int(r[idx]), a, b, int(np.rint(x[idx])))
-    return out
-
-
-def _largest_r(m: int, a: int, b: int) -> int:
-    """floor(m^(a/b)) exactly: the largest r with r^b <= m^a (as ``powers.floor_power``, but
-    starting from a float guess, which keeps large denominators such as 999/1000 fast)."""
-    target = m**a
-    r = int(m ** (a / b))
-    while r > 0 and r**b > target:
-        r -= 1
-    while (r + 1) ** b <= target:
-        r += 1
-    return r
-
-
-def _first_offset_reaching(r: int, a: int, b: int, guess: int) -> int:
-    """The smallest j >= 1 with j^a >= r^b (i.e. floor(j^(a/b)) >= r), by exact integer steps."""
-    target = r**b
-    j = max(1, guess)
-    while j > 1 and (j - 1) ** a >= target:
-        j -= 1
-    while j**a < target:
-        j += 1
-    return j
-
-
 def ppa_offsets(power, max_offset: int) -> List[int]:
     """Sorted ``S_p ∩ [1, max_offset]``: the offsets j >= 1 with floor(j^p) - floor((j-1)^p) = 1.
 
@@ -132,7 +61,7 @@ def ppa_offsets(power, max_offset: int) -> List[int]:
         raise ValueError(f"max_offset={max_offset!r} is invalid: allowed an integer >= 0")
     if max_offset < 0:
         raise ValueError(f"max_offset={max_offset!r} is invalid: allowed an integer >= 0")
-    return _offsets_array(p, int(max_offset)).tolist()
+    return offsets_array(p, int(max_offset)).tolist()
 
 
 def ppa_far_offsets(power, window: int, seq_len: int, device=None) -> torch.Tensor:
@@ -142,7 +71,7 @@ def ppa_far_offsets(power, window: int, seq_len: int, device=None) -> torch.Tens
     """
     p = ppa_power_fraction(power)
     w = _check_window(window)
-    offsets = _offsets_array(p, max(seq_len - 1, 0))
+    offsets = offsets_array(p, max(seq_len - 1, 0))
     return torch.from_numpy(offsets[offsets > w].copy()).to(device)
 
 
@@ -152,7 +81,7 @@ def ppa_mask(seq_len: int, power, window: int, device=None) -> torch.Tensor:
     w = _check_window(window)
     attended = torch.zeros(max(seq_len, 1), dtype=torch.bool)  # attended[d]: is offset d attended
     attended[: w + 1] = True
-    attended[torch.from_numpy(_offsets_array(p, max(seq_len - 1, 0)))] = True
+    attended[torch.from_numpy(offsets_array(p, max(seq_len - 1, 0)))] = True
     pos = torch.arange(seq_len)
     dist = pos[:, None] - pos[None, :]
     mask = (dist >= 0) & attended[dist.clamp(min=0)]
@@ -269,9 +198,8 @@ def _kernel():
     return ppa_attention_kernel
 
 
-def _per_sequence(fn, q, k, v, cu_seqlens, *args, **kwargs):
-    """Apply ``fn`` to every packed sequence of ``cu_seqlens`` separately (B = 1)."""
-    bounds = cu_seqlens.tolist()
+def _per_sequence(fn, q, k, v, bounds: list, *args, **kwargs):
+    """Apply ``fn`` to every packed sequence ``[bounds[i], bounds[i+1])`` separately (B = 1)."""
     outs = [fn(q[:, a:b], k[:, a:b], v[:, a:b], *args, **kwargs)
             for a, b in zip(bounds, bounds[1:]) if b > a]
     return torch.cat(outs, dim=1) if outs else torch.empty_like(q)
@@ -288,17 +216,15 @@ def ppa_attention(q, k, v, power, window: int, impl: Optional[str] = None,
     within each sequence and no query sees another sequence's keys.
     """
     check_qkv("ppa_attention", q, k, v)
-    ppa_power_fraction(power)
-    _check_window(window)
-    if cu_seqlens is not None:
-        check_cu_seqlens("ppa_attention", cu_seqlens, q)
+    p = ppa_power_fraction(power)  # checked once here; the kernel takes the Fraction as is
+    w = _check_window(window)
+    bounds = None if cu_seqlens is None else check_cu_seqlens("ppa_attention", cu_seqlens, q)
     kernel = _kernel()
     if choose_impl("ppa_attention", impl, (q, k, v), kernel) == "kernel":
-        return kernel(q, k, v, power, window, scale=scale, cu_seqlens=cu_seqlens)
-    if cu_seqlens is not None:
-        return _per_sequence(ppa_attention_reference, q, k, v, cu_seqlens, power, window,
-                             scale=scale)
-    return ppa_attention_reference(q, k, v, power, window, scale=scale)
+        return kernel(q, k, v, p, w, scale=scale, cu_seqlens=cu_seqlens)
+    if bounds is not None:
+        return _per_sequence(ppa_attention_reference, q, k, v, bounds, p, w, scale=scale)
+    return ppa_attention_reference(q, k, v, p, w, scale=scale)
 
 
 __all__ = ["ppa_attention", "ppa_attention_reference", "ppa_attention_masked", "ppa_offsets",

@@ -11,8 +11,10 @@ window length w = floor((sw_index+1)^(1/p)) - 1:
 * A_{i,t}            = softmax attention of Q(i) (scale 1/sqrt(D)) over S_t u W, de-duplicated;
 * output             o_i = sum_t alpha_t A_{i,t};  with no anchor at all, attention over W.
 
-Every power is computed exactly in integer arithmetic (``ops.powers``); the factors b and f are
-taken as the rationals they stand for (``as_fraction``), so ceil(b*l) is exact too.
+Every power is computed exactly in integer arithmetic (``kernels/powers.py``); the factors b and
+f are taken as the rationals they stand for (``as_fraction``), so ceil(b*l) is exact too. The
+geometry (window, anchor offsets, span extents: ``SuperlinearPlan``) lives in
+``kernels/superlinear/plan.py``, shared with the kernels, and is re-exported here.
 
 Choices where the definition is silent (docs/variants.md):
 
@@ -39,33 +41,25 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
 from fractions import Fraction
-from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..kernels.powers import floor_power
+from ..kernels.superlinear.plan import (SuperlinearPlan, _inverse_power, anchor_offsets,
+                                        capacity_bucket, ceil_power, ceil_times,
+                                        superlinear_plan, superlinear_plan_range,
+                                        superlinear_window)
 from .dispatch import check_qkv, choose_impl, repeat_kv
-from .powers import as_fraction, floor_power
 
 DEFAULT_QUERY_CHUNK = 64
 
 
 # ---------------------------------------------------------------------------------------------
-# exact integer geometry: window, anchors, span extents
+# the candidate anchors, literally (the geometry itself: kernels/superlinear/plan.py)
 # ---------------------------------------------------------------------------------------------
-def _inverse_power(search_power) -> Fraction:
-    return 1 / as_fraction(search_power)
-
-
-@lru_cache(maxsize=64)
-def superlinear_window(search_power: float, sw_index: int) -> int:
-    """w = floor((sw_index+1)^(1/p)) - 1 (0 for sw_index = 0: no window)."""
-    return floor_power(sw_index + 1, _inverse_power(search_power)) - 1
-
-
 def superlinear_anchors(position: int, search_power: float = 0.5, sw_index: int = 0) -> List[int]:
     """The candidate anchors of query ``position``, nearest first (s = 0, 1, ...).
 
@@ -85,128 +79,6 @@ def superlinear_anchors(position: int, search_power: float = 0.5, sw_index: int 
             anchors.append(t)
         s += 1
     return anchors
-
-
-def ceil_power(x: int, power) -> int:
-    """ceil(x ** power) exactly, for an integer x >= 0 and a rational power >= 0 (0**0 = 1)."""
-    f = as_fraction(power)
-    r = floor_power(x, f)
-    if f == 0 or r ** f.denominator == x ** f.numerator:
-        return r
-    return r + 1
-
-
-def ceil_times(factor, n: int) -> int:
-    """ceil(factor * n) exactly, with ``factor`` taken as the rational it stands for."""
-    return math.ceil(as_fraction(factor) * n)
-
-
-@lru_cache(maxsize=64)
-def anchor_offsets(T: int, search_power: float, sw_index: int) -> Tuple[int, ...]:
-    """The fixed stride pattern: candidate anchors of query i are i - d for d in the result.
-
-    d_s = floor((s+1)^(1/p)) - 1 for s >= sw_index (the anchors s < sw_index are exactly those
-    inside the window, because w = d_{sw_index}), up to the largest d_s <= T - 1. Anchor i - d_s is
-    a candidate of query i iff d_s <= i.
-    """
-    inv = _inverse_power(search_power)
-    offsets, s = [], sw_index
-    while (d := floor_power(s + 1, inv) - 1) <= T - 1:
-        offsets.append(d)
-        s += 1
-    return tuple(offsets)
-
-
-@lru_cache(maxsize=64)
-def _span_scale_table(T: int, span_power: float) -> Tuple[int, ...]:
-    """l(i) = ceil(i^p_sp) for i < T, without one big-integer power per position.
-
-    ceil(i^q) = min{r : floor(r^(1/q)) >= i}, so l is a step function whose steps sit at
-    c_r = floor(r^(1/q)), r = 0, 1, ...; only O(T^q) exact roots are needed.
-    """
-    q = as_fraction(span_power)
-    if q == 0:
-        return (1,) * T  # 0**0 = 1, as floor_power
-    steps, r = [], 0
-    while not steps or steps[-1] < T - 1:
-        steps.append(min(floor_power(r, 1 / q), T))  # capped: only steps below T matter
-        r += 1
-    table = torch.searchsorted(torch.tensor(steps), torch.arange(T), side="left")
-    return tuple(table.tolist())
-
-
-@dataclass(frozen=True)
-class SuperlinearPlan:
-    """Everything about the sparsity pattern that depends on positions only (not on content)."""
-
-    offsets: torch.Tensor  # [A] int64: candidate anchors of query i are i - offsets (where >= 0)
-    back: torch.Tensor  # [T] int64: ceil(b * l(i))
-    fwd: torch.Tensor  # [T] int64: ceil(f * l(i))
-    window: int  # w
-    first: int = 0  # back[j], fwd[j] belong to position first + j (chunked prefill, decode)
-
-
-def superlinear_plan(T: int, search_power: float = 0.5, span_power: float = 0.5,
-                     backward_factor: float = 2.0, forward_factor: float = 0.0, sw_index: int = 0,
-                     device=None) -> SuperlinearPlan:
-    """Offsets, span extents and window length for sequences of length ``T``."""
-    scale = torch.tensor(_span_scale_table(T, span_power), dtype=torch.int64)
-
-    def ceil_factor(factor):  # ceil(factor * l) in integer arithmetic
-        f = as_fraction(factor)
-        return (scale * f.numerator + f.denominator - 1) // f.denominator
-
-    return SuperlinearPlan(
-        offsets=torch.tensor(anchor_offsets(T, search_power, sw_index), dtype=torch.int64,
-                             device=device),
-        back=ceil_factor(backward_factor).to(device),
-        fwd=ceil_factor(forward_factor).to(device),
-        window=superlinear_window(search_power, sw_index),
-    )
-
-
-def _span_scale_range(first: int, stop: int, span_power) -> torch.Tensor:
-    """l(i) = ceil(i^p_sp) for first <= i < stop ([stop - first] int64), from the step thresholds
-    c_r = floor(r^(1/q)) with l(first) <= r <= l(stop - 1) only: O(stop^q - first^q + 1) exact
-    roots, so a decode step (one position) costs one or two roots, not O(stop)."""
-    q = as_fraction(span_power)
-    if q == 0:
-        return torch.ones(stop - first, dtype=torch.int64)
-    r0 = ceil_power(first, q)  # l(first)
-    steps, r = [], r0
-    while not steps or steps[-1] < stop - 1:
-        steps.append(min(floor_power(r, 1 / q), stop))  # l(i) = min{r : c_r >= i}
-        r += 1
-    return r0 + torch.searchsorted(torch.tensor(steps), torch.arange(first, stop), side="left")
-
-
-def capacity_bucket(length: int) -> int:
-    """The next power of two >= length: decode steps share one (cached) offset table per bucket;
-    offsets beyond a query's position are masked like any missing candidate."""
-    return 1 << max(0, length - 1).bit_length()
-
-
-def superlinear_plan_range(first: int, stop: int, search_power: float = 0.5,
-                           span_power: float = 0.5, backward_factor: float = 2.0,
-                           forward_factor: float = 0.0, sw_index: int = 0,
-                           device=None) -> SuperlinearPlan:
-    """The plan of query positions [first, stop) only (chunked prefill, decode): span extents for
-    those positions (``plan.first = first``) and the offset table of the capacity bucket of
-    ``stop`` keys (offsets d > i just give no candidate to query i)."""
-    scale = _span_scale_range(first, stop, span_power)
-
-    def ceil_factor(factor):
-        f = as_fraction(factor)
-        return (scale * f.numerator + f.denominator - 1) // f.denominator
-
-    offsets = anchor_offsets(capacity_bucket(stop), search_power, sw_index)
-    return SuperlinearPlan(
-        offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        back=ceil_factor(backward_factor).to(device),
-        fwd=ceil_factor(forward_factor).to(device),
-        window=superlinear_window(search_power, sw_index),
-        first=first,
-    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Test harness: megatron-core on CPU processes with gloo (see ``cpu`` for every CUDA patch)."""
+"""Test harness: megatron-core on CPU processes with gloo (``megatron_subq.cpu`` holds every
+CUDA patch; it is runtime code, the trainer uses it too)."""
 
-from .cpu import install_cpu_fallbacks
-from .distributed import free_port, init_parallel, run_distributed
+from .distributed import init_parallel, run_distributed
 
-__all__ = ["install_cpu_fallbacks", "free_port", "init_parallel", "run_distributed"]
+__all__ = ["init_parallel", "run_distributed"]

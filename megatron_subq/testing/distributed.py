@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from typing import Any, Callable, List, Sequence
@@ -22,11 +21,7 @@ from typing import Any, Callable, List, Sequence
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..distributed import free_port
 
 
 def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, **parallel_kwargs) -> None:
@@ -34,7 +29,7 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, **parallel_kwargs)
     from megatron.core import parallel_state  # noqa: PLC0415
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
-    from .cpu import install_cpu_fallbacks  # noqa: PLC0415
+    from ..cpu import install_cpu_fallbacks  # noqa: PLC0415
 
     install_cpu_fallbacks()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,

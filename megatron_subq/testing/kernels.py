@@ -18,6 +18,8 @@ from types import ModuleType
 
 import torch
 
+from ..cuda_graphs import capture_cuda_graph
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDS = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -31,6 +33,8 @@ def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
 def kernel_package(name: str) -> ModuleType:
     """``megatron_subq.kernels.<name>``; on the CPU, check its kernels really are interpreted."""
     pkg = importlib.import_module(f"megatron_subq.kernels.{name}")
+    for attr in pkg.__all__:  # the kernel modules load lazily: load them for the check below
+        getattr(pkg, attr)
     if DEVICE == "cpu":
         from triton.runtime.jit import JITFunction  # noqa: PLC0415
 
@@ -74,23 +78,6 @@ def record_launches(monkeypatch, module: ModuleType, name: str) -> list:
 
     monkeypatch.setattr(module, name, _Recorder())
     return launches
-
-
-def capture_cuda_graph(fn, warmup: int = 2):
-    """``fn()`` warmed up on a side stream (compiles, allocator pools: torch wants no first-time
-    work inside a capture), then captured in a CUDA graph. Returns ``(graph, what the captured
-    call returned)``; ``graph.replay()`` reruns the GPU work into those same tensors. Raises if
-    ``fn`` cannot be captured (a host sync inside it, for instance)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
-    return graph, captured
 
 
 def graph_replay_matches_eager(fn, inputs, grad_out: torch.Tensor, seed: int = 0) -> dict:

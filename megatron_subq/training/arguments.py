@@ -662,7 +662,7 @@ def flag_for_field(name: str) -> str:
 def _check_packed_sequences(parser, args) -> None:
     """--reset-attention-mask runs micro-batches as packed sequences: every layer's variant must
     take them (the check runs before anything is built)."""
-    from ..attention import packed_sequence_variants  # noqa: PLC0415
+    from ..variants import packed_sequence_variants  # noqa: PLC0415
     from ..patterns import resolve_layer_pattern  # noqa: PLC0415
 
     pattern = args.layer_pattern
@@ -680,6 +680,6 @@ def _check_packed_sequences(parser, args) -> None:
 
 
 def _packed_variants() -> list:
-    from ..attention import packed_sequence_variants  # noqa: PLC0415
+    from ..variants import packed_sequence_variants  # noqa: PLC0415
 
     return packed_sequence_variants()

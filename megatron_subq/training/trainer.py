@@ -58,8 +58,8 @@ def initialize_distributed(args) -> bool:
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
 
-    from ..testing.cpu import install_cpu_fallbacks  # noqa: PLC0415
-    from ..testing.distributed import free_port  # noqa: PLC0415
+    from ..cpu import install_cpu_fallbacks  # noqa: PLC0415
+    from ..distributed import free_port  # noqa: PLC0415
 
     created = False
     if not dist.is_initialized():

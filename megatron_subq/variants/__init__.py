@@ -28,4 +28,11 @@ VARIANTS: Dict[str, Variant] = {
     )
 }
 
-__all__ = ["VARIANTS", "Variant", "SpecBackend"]
+
+def packed_sequence_variants() -> list:
+    """Names of the registered variants whose attention takes packed sequences (``cu_seqlens``
+    through ``attend_packed``), sorted: a query on the registry, for the trainer's checks."""
+    return sorted(name for name, variant in VARIANTS.items() if variant.packed_sequences)
+
+
+__all__ = ["VARIANTS", "Variant", "SpecBackend", "packed_sequence_variants"]
