@@ -4,7 +4,8 @@ blocks (see docs/training.md).
     from megatron_subq.training import pretrain
     pretrain(["--num-layers", "2", "--hidden-size", "64", ...])   # or torchrun pretrain_gpt.py
 
-Modules: ``arguments`` (flags, ``--config`` files, start-up checks), ``tokenizer``, ``data``
+Modules: ``arguments`` (flags, ``--config`` files, start-up checks), ``fields`` (the variant
+knobs as flags), ``blend`` (the ``--data-path`` blend syntax), ``tokenizer``, ``data``
 (GPTDataset + resumable sampler), ``checkpointing`` (torch_dist, tracker written last),
 ``flops`` (per-variant model FLOPs), ``metrics`` (log line, TensorBoard, W&B), ``processes``
 (workers and checkpoint writers die with their parent, the ``--save`` lock), ``trainer``.

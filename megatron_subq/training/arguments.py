@@ -28,9 +28,10 @@ import sys
 import typing
 from typing import Dict, List, Optional, Sequence
 
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import SubqTransformerConfig
+from .blend import parse_blend
+from .fields import flag_for_field, variant_fields
 
 TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
                    "NullTokenizer")
@@ -61,13 +62,6 @@ def _field_docs(cls) -> Dict[str, str]:
                 and isinstance(nxt.value.value, str)):
             docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
-
-
-def variant_fields() -> List[dataclasses.Field]:
-    """The knobs SubqTransformerConfig adds to megatron's TransformerConfig (init fields only)."""
-    base = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return [f for f in dataclasses.fields(SubqTransformerConfig)
-            if f.init and f.name not in base]
 
 
 def _resolve_type(f: dataclasses.Field):
@@ -539,7 +533,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, name):
             parse_blend(parser, getattr(args, name), "--" + name.replace("_", "-"))
-    from .data import check_data  # noqa: PLC0415 - data.py imports this module
+    from .data import check_data  # noqa: PLC0415 - megatron's dataset modules load only when used
 
     check_data(parser, args)  # prefixes exist, .bin matches .idx, every split can be built
     if args.tokenizer_type is None:
@@ -570,29 +564,6 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     return args
-
-
-def parse_blend(parser, tokens: Sequence[str], flag: str):
-    """Megatron's blend syntax: 'A B' (weights from sizes) or '0.3 A 0.7 B' -> (paths, weights)."""
-    tokens = list(tokens)
-
-    def is_number(text):
-        try:
-            float(text)
-            return True
-        except ValueError:
-            return False
-
-    if len(tokens) > 1 and is_number(tokens[0]):
-        if len(tokens) % 2 or not all(is_number(t) for t in tokens[::2]):
-            parser.error(f"{flag}: weighted blends alternate weight and path: '0.3 A 0.7 B'")
-        weights = [float(t) for t in tokens[::2]]
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            parser.error(f"{flag}: blend weights must be >= 0 and not all 0")
-        return tokens[1::2], weights
-    if any(is_number(t) for t in tokens):
-        parser.error(f"{flag}: give a weight before every path, or none")
-    return tokens, None
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
@@ -653,10 +624,6 @@ def fail(args: argparse.Namespace, message: str) -> None:
     """A start-up error found after parsing (e.g. by the model config): usage + message, exit 2."""
     parser = getattr(args, "_parser", None) or build_parser()
     parser.error(message)
-
-
-def flag_for_field(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _check_packed_sequences(parser, args) -> None:

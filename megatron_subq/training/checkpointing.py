@@ -177,7 +177,7 @@ def layer_variants(values) -> Optional[list]:
 def model_args(layers) -> list:
     """The argument names that define a model whose layers are ``layers`` (variant names): the
     shape (``MODEL_SHAPE_ARGS``) and the knobs of the variants in use."""
-    from .arguments import variant_fields  # noqa: PLC0415
+    from .fields import variant_fields  # noqa: PLC0415
 
     used = set(layers or ())
     names = [n for n in MODEL_SHAPE_ARGS]
@@ -194,7 +194,7 @@ def model_mismatches(saved: dict, args) -> list:
     """'--flag: checkpoint X, this run Y' for every model-defining argument in which this run
     (``args``) differs from a checkpoint's stored arguments (``saved``). Arguments the
     checkpoint does not store (saved before they existed) are not compared."""
-    from .arguments import flag_for_field  # noqa: PLC0415
+    from .fields import flag_for_field  # noqa: PLC0415
 
     out = []
     theirs, ours = layer_variants(saved), layer_variants(args)

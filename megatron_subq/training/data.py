@@ -29,7 +29,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from .arguments import parse_blend
+from .blend import parse_blend
 
 
 class PretrainingSampler:
