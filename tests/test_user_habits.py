@@ -99,3 +99,22 @@ def test_the_chosen_schedule_is_announced_and_followed(source):
         assert "from the checkpoint (--use-checkpoint-opt-param-scheduler)" in logs[0]
         assert "learning rate 0.001 (flags 0.003)" in logs[0]
         assert (live.max_lr, live.lr_decay_steps) == (1e-3, 100)
+
+
+def test_kernel_launch_overrides_are_announced_and_saved(tmp_path, monkeypatch, capsys):
+    """The MEGATRON_SUBQ_*_LAUNCH JSON overrides change what the kernels run: a run says so at
+    start-up and its checkpoint's arguments keep them."""
+    import json
+
+    from megatron_subq.training import pretrain
+    from megatron_subq.training.checkpointing import saved_args
+
+    monkeypatch.setenv("MEGATRON_SUBQ_ASA_LAUNCH", '{"BT": 64}')
+    save = str(tmp_path / "ckpt")
+    pretrain(MIN[:10] + ["--train-iters", "1"] + MIN[12:] + [
+        "--global-batch-size", "2", "--num-workers", "0", "--eval-iters", "0",
+        "--save", save])
+    out = capsys.readouterr().out
+    assert '> kernel launch override in force: MEGATRON_SUBQ_ASA_LAUNCH={"BT": 64}' in out
+    stored = json.loads(saved_args(save)["kernel_launch_overrides"])
+    assert stored == {"MEGATRON_SUBQ_ASA_LAUNCH": '{"BT": 64}'}

@@ -14,6 +14,7 @@ Without CUDA it runs on the CPU with gloo (``install_cpu_fallbacks``): that is w
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import random
 import sys
@@ -148,6 +149,14 @@ def build_config(args):
         flags = [arguments.flag_for_field(k) for k in sorted(kwargs, key=len, reverse=True)
                  if k in message and hasattr(args, k)]
         arguments.fail(args, f"{', '.join(flags[:2]) or 'model configuration'}: {message}")
+
+
+def kernel_launch_overrides() -> Dict[str, str]:
+    """The ``MEGATRON_SUBQ_<OP>_LAUNCH`` environment variables (JSON overrides of a kernel
+    package's launch options, some of which change numerics): a run announces them at start-up
+    and stores them with its checkpoint's arguments, so no run depends on a hidden setting."""
+    return {name: value for name, value in os.environ.items()
+            if name.startswith("MEGATRON_SUBQ_") and name.endswith("_LAUNCH")}
 
 
 def _layer_pattern(value):
@@ -402,6 +411,11 @@ def _run(args) -> Dict:
         config.no_sync_func = model[0].no_sync
     if args.overlap_param_gather:
         config.param_sync_func = model[0].start_param_sync
+
+    overrides = kernel_launch_overrides()
+    args.kernel_launch_overrides = json.dumps(overrides, sort_keys=True)  # saved with the args
+    for name, value in sorted(overrides.items()):
+        print_rank_0(f"> kernel launch override in force: {name}={value}")
 
     n_params = count_parameters(model)
     flops_iter = flops_per_iteration(config, args.seq_length, vocab, args.global_batch_size,
