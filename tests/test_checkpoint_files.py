@@ -3,7 +3,7 @@
 One spawned process (``run_distributed``, world 1) trains 4 iterations of a tiny mock-data GPT
 saving at 2 and 4, then loads damaged copies (a truncated shard, garbage ``common.pt``, garbage
 ``.metadata``), a mismatched model shape, and runs the trainer against a locked --save folder.
-Marked slow (the shared fixture takes ~40 s on 2 busy cores); the tests themselves are instant.
+The shared fixture takes ~40 s on 2 busy cores; the tests themselves are instant.
 """
 
 import json
@@ -20,7 +20,6 @@ from megatron_subq.testing import run_distributed  # noqa: E402
 from megatron_subq.training import checkpointing, processes  # noqa: E402
 
 # one shared fixture of ~30-40 s on 2 cores (a spawned process, 2 saves, 6 loads)
-pytestmark = pytest.mark.slow
 
 MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",

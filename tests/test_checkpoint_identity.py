@@ -134,7 +134,6 @@ def cases(tmp_path_factory):
     return results[0], results[1]
 
 
-@pytest.mark.slow
 def test_tp2_checkpoint_of_300_tokens_loads_at_tp1_with_the_same_loss(cases):
     (tp2, log2), (tp1, log1) = cases[1]["tp2"], cases[1]["tp1"]
     assert tp1["loaded_iteration"] == 2, log1
@@ -143,7 +142,6 @@ def test_tp2_checkpoint_of_300_tokens_loads_at_tp1_with_the_same_loss(cases):
     assert "keeping the checkpoint's padded size 512" in cases[0]["tp1"][1]
 
 
-@pytest.mark.slow
 def test_another_variant_is_an_error_listing_every_difference(cases):
     summary, log = cases[0]["asa"]
     assert summary == {"exit": 2}, log
@@ -153,7 +151,6 @@ def test_another_variant_is_an_error_listing_every_difference(cases):
     assert "--allow-model-change" in log and "--use-checkpoint-args" in log
 
 
-@pytest.mark.slow
 def test_use_checkpoint_args_and_allow_model_change(cases):
     summary, log = cases[0]["use_args"]
     assert summary["loaded_iteration"] == 2, log
@@ -165,14 +162,12 @@ def test_use_checkpoint_args_and_allow_model_change(cases):
     assert "--allow-model-change: this model differs" in log and "keep their initial values" in log
 
 
-@pytest.mark.slow
 def test_finished_run_says_how_to_continue(cases):
     summary, log = cases[0]["finished"]
     assert summary["loaded_iteration"] == 2 and summary["iterations"] == {}
     assert "nothing to train" in log and "raise --train-iters above 2" in log
 
 
-@pytest.mark.slow
 def test_save_folder_of_another_model_is_warned_about(cases):
     summary, log = cases[0]["save_other"]
     assert sorted(summary["iterations"]) == [1], log

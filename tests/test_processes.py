@@ -254,7 +254,6 @@ def _descendants(pid: int) -> list:
     return out
 
 
-@pytest.mark.slow
 def test_kill_9_of_a_torchrun_worker_leaves_no_process_behind(tmp_path):
     """The issue's scenario end to end: torchrun, 2 workers saving every 5 iterations; once a
     checkpoint is on disk, ``kill -9`` the rank-0 worker (the lock's holder). torchrun stops the

@@ -106,7 +106,9 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 29, 4, 2, 16), dict(sw_index=1, forward_factor=0.5), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32,  # the half dtypes: slow extras (GPU tests run all)
+                                   pytest.param(torch.bfloat16, marks=pytest.mark.slow),
+                                   pytest.param(torch.float16, marks=pytest.mark.slow)])
 def test_unmasked_key_blocks(dtype):
     """Spans of ~180 keys and a 48-key window, i.e. longer than a 16-row tile plus a 16-key
     block: the forward kernels take their middle key blocks without masks (the rows of a
