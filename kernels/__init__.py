@@ -1,7 +1,8 @@
 """Triton kernels, installed as ``megatron_subq.kernels`` (one folder per op): the bottom layer.
 
 It imports nothing of ``megatron_subq``; the ops import it. Triton-free, for both sides:
-``checks`` (input and ``cu_seqlens`` checks), ``powers`` (exact integer powers), and per op
+``checks`` (input and ``cu_seqlens`` checks), ``powers`` (exact integer powers), ``lazy``
+(first-use loading of the Triton modules), and per op
 ``plan`` (PPA's offsets, Superlinear's geometry) or ``state`` (decode-state types). Each op folder
 holds its forward/backward/decode kernels and one ``torch.autograd.Function`` (``function.py``,
 loaded on first use); ``megatron_subq.ops.<op>`` dispatches to it on CUDA (or under

@@ -6,23 +6,15 @@ dispatch to for ``impl="kernel"`` (CUDA, or CPU tensors under ``TRITON_INTERPRET
 steps use ``megatron_subq.ops.approx_decode_step`` (a few torch ops on the state, in place).
 """
 
-import importlib
+from ..lazy import lazy_attributes
 
-# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
-# package's triton-free modules (state.py) at its own import, before TRITON_INTERPRET may be set
-# and where triton may be absent; the names below then import function.py when first asked for.
+# The Triton kernels load on first use (kernels/lazy.py); the names below import their module
+# when first asked for.
 _LAZY = {
     "ApproxChunkFunction": ".function",
     "approx_attention_kernel": ".function",
     "kernel_supports": ".function",
 }
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(_LAZY[name], __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = ["ApproxChunkFunction", "approx_attention_kernel", "kernel_supports"]

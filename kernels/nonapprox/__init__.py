@@ -6,19 +6,11 @@
 torch ops on the (num, den, max) state, in place).
 """
 
-import importlib
+from ..lazy import lazy_attributes
 
-# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
-# package's triton-free modules (state.py) at its own import, before TRITON_INTERPRET may be set
-# and where triton may be absent; the names below then import function.py when first asked for.
+# The Triton kernels load on first use (kernels/lazy.py); the names below import their module
+# when first asked for.
 _LAZY = {"NonapproxChunkFunction": ".function", "nonapprox_attention_kernel": ".function"}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(_LAZY[name], __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = ["NonapproxChunkFunction", "nonapprox_attention_kernel"]

@@ -5,11 +5,10 @@ for the far power offsets; forward and backward (dq; dk/dv summed over each GQA 
 ``impl="kernel"`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 """
 
-import importlib
+from ..lazy import lazy_attributes
 
-# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
-# package's triton-free modules (plan.py) at its own import, before TRITON_INTERPRET may be set
-# and where triton may be absent; the names below then import function.py when first asked for.
+# The Triton kernels load on first use (kernels/lazy.py); the names below import their module
+# when first asked for.
 _LAZY = {
     "DENSE_GAP": ".function",
     "PPAFunction": ".function",
@@ -17,13 +16,6 @@ _LAZY = {
     "offset_plan": ".function",
     "ppa_attention_kernel": ".function",
 }
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(_LAZY[name], __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = ["DENSE_GAP", "PPAFunction", "dense_reach", "offset_plan", "ppa_attention_kernel"]

@@ -9,12 +9,10 @@ query offset) and ``superlinear_decode_kernel`` (``decode.py``: one query, split
 and the kept spans) serve ``ops.superlinear_prefill`` and ``ops.superlinear_decode_step``.
 """
 
-import importlib
+from ..lazy import lazy_attributes
 
-# The Triton kernels load on first use (PEP 562), not with the package: the op imports this
-# package's triton-free modules (plan.py) at its own import, before TRITON_INTERPRET may be set
-# and where triton may be absent; the names below then import decode.py and function.py when
-# first asked for.
+# The Triton kernels load on first use (kernels/lazy.py); the names below import their module
+# when first asked for.
 _LAZY = {
     "superlinear_decode_kernel": ".decode",
     "LaunchConfig": ".function",
@@ -25,13 +23,6 @@ _LAZY = {
     "superlinear_attention_kernel": ".function",
     "superlinear_prefill_kernel": ".function",
 }
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        module = importlib.import_module(_LAZY[name], __name__)
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 __all__ = list(_LAZY)
