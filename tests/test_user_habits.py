@@ -13,17 +13,7 @@ sys.path.insert(0, ROOT)
 
 from megatron_subq.training import arguments  # noqa: E402
 from megatron_subq.training.checkpointing import check_scheduler  # noqa: E402
-
-MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-       "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
-       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"]
-
-
-def _error(argv, capsys, world_size=1):
-    with pytest.raises(SystemExit) as e:
-        arguments.parse_args(argv, world_size=world_size)
-    assert e.value.code == 2
-    return capsys.readouterr().err
+from test_trainer import MIN, _error  # noqa: E402 - the trainer tests' minimal flags
 
 
 def test_sequence_parallel_at_tp1_is_announced(capsys):
