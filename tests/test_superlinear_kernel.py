@@ -119,7 +119,7 @@ def test_unmasked_key_blocks(dtype):
 
 # launch options window_dkdv and span_dkdv (on by default): dK, dV key-centric, no atomics;
 # each alone, both, and neither (the query-centric backward with atomic adds)
-LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
+LAUNCH_ENV = KERNEL.launch.LAUNCH_ENV
 WINDOW_DKDV = '{"window_dkdv": true, "span_dkdv": false}'
 SPAN_DKDV = '{"window_dkdv": false, "span_dkdv": true}'
 BOTH_DKDV = '{"window_dkdv": true, "span_dkdv": true}'
@@ -140,7 +140,7 @@ DKDV_OPTIONS = {"window": (WINDOW_DKDV, "window_bwd_dkdv_kernel"),
 def test_dkdv_option_matches_reference_fp32(shape, knobs, option, monkeypatch):
     launch, kernel = DKDV_OPTIONS[option]
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    launches = record_launches(monkeypatch, KERNEL.function, kernel)
+    launches = record_launches(monkeypatch, KERNEL.span, kernel)
     _compare(shape, knobs, torch.float32)
     window = ops.superlinear.superlinear_window(knobs.get("search_power", 0.5),
                                                 knobs.get("sw_index", 0))
@@ -206,8 +206,8 @@ def test_all_launch_options_fp32(shape, knobs, monkeypatch):
 def test_tiles_from_launch_options(tiles, monkeypatch):
     """LaunchConfig fields from the launch options (the A/B runs' knob) reach the kernels."""
     monkeypatch.setenv(LAUNCH_ENV, json.dumps(tiles))
-    span = record_launches(monkeypatch, KERNEL.function, "span_fwd_kernel")
-    dkdv = record_launches(monkeypatch, KERNEL.function, "window_bwd_dkdv_kernel")
+    span = record_launches(monkeypatch, KERNEL.span, "span_fwd_kernel")
+    dkdv = record_launches(monkeypatch, KERNEL.span, "window_bwd_dkdv_kernel")
     _compare((1, 45, 2, 1, 8), dict(sw_index=1, forward_factor=1.0), torch.float32)
     _compare((2, 37, 4, 2, 8), dict(sw_index=1, forward_factor=0.5), torch.float32)
     assert [kw["BLOCK_N"] for kw in span] == [16, 16]
@@ -227,7 +227,7 @@ def test_fused_merge_fp32(shape, knobs, place, monkeypatch):
     """Windows, no window, queries without anchors, GQA; the merge runs where asked."""
     launch, span_merge = MERGE_PLACES[place]
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    span = record_launches(monkeypatch, KERNEL.function, "span_fwd_kernel")
+    span = record_launches(monkeypatch, KERNEL.span, "span_fwd_kernel")
     _compare(shape, knobs, torch.float32)
     assert [kw["MERGE"] for kw in span] == span_merge
 
@@ -262,17 +262,19 @@ def test_fused_mix_fp32(shape, knobs, variant, monkeypatch):
     backward launch, no per-pair dA; one gate backward launch; two sorting launches, whose
     sorted lo, hi the tile ranges reuse)."""
     monkeypatch.setenv(LAUNCH_ENV, FUSED_MIX[variant])
-    launches = {name: record_launches(monkeypatch, KERNEL.function, name)
-                for name in ("mix_bwd_kernel", "gate_bwd_kernel", "sort_pairs_kernel")}
+    launches = {name: record_launches(monkeypatch, module, name)
+                for module, name in ((KERNEL.function, "mix_bwd_kernel"),
+                                     (KERNEL.search, "gate_bwd_kernel"),
+                                     (KERNEL.span, "sort_pairs_kernel"))}
     presorted = []  # span_tile_ranges' calls: with sorted_pairs, on _sorted_pairs' lo/hi
-    tile_ranges = KERNEL.function.span_tile_ranges
+    tile_ranges = KERNEL.span.span_tile_ranges
 
     def recorded_tile_ranges(*args, **kwargs):
         presorted.append(kwargs["presorted"])
         return tile_ranges(*args, **kwargs)
-    monkeypatch.setattr(KERNEL.function, "span_tile_ranges", recorded_tile_ranges)
+    monkeypatch.setattr(KERNEL.span, "span_tile_ranges", recorded_tile_ranges)
     _compare(shape, knobs, torch.float32)
-    options = KERNEL.function.launch_options()
+    options = KERNEL.launch.launch_options()
     assert len(launches["mix_bwd_kernel"]) == int(options["fused_mix"])
     assert len(launches["gate_bwd_kernel"]) == int(options["gate_kernel"])
     sorting = options["sorted_pairs"] and options["span_dkdv"]
@@ -291,7 +293,7 @@ def test_fused_mix_half_dtypes(dtype, variant, monkeypatch):
 def test_without_launch_options_fp32(shape, knobs, monkeypatch):
     """The query-centric backward (atomic dK, dV adds) and the einsum gate, all options off."""
     monkeypatch.setenv(LAUNCH_ENV, NO_OPTIONS)
-    launches = record_launches(monkeypatch, KERNEL.function, "span_bwd_dkdv_kernel")
+    launches = record_launches(monkeypatch, KERNEL.span, "span_bwd_dkdv_kernel")
     _compare(shape, knobs, torch.float32)
     assert launches == []
 
@@ -305,11 +307,11 @@ def test_span_tile_ranges_cover_every_reaching_pair():
     lo = torch.randint(0, T, (BH, P), generator=g, dtype=torch.int32)
     hi = (lo + torch.randint(-5, 60, (BH, P), generator=g, dtype=torch.int32)).clamp(max=T - 1)
     order = torch.sort(lo, dim=1, stable=True).indices.to(torch.int32)
-    first, end = KERNEL.function.span_tile_ranges(order, lo, hi, T, bm, bn)
+    first, end = KERNEL.span.span_tile_ranges(order, lo, hi, T, bm, bn)
     idx = order.long()
-    first_s, end_s = KERNEL.function.span_tile_ranges(order, lo.gather(1, idx),
-                                                      hi.gather(1, idx), T, bm, bn,
-                                                      presorted=True)
+    first_s, end_s = KERNEL.span.span_tile_ranges(order, lo.gather(1, idx),
+                                                  hi.gather(1, idx), T, bm, bn,
+                                                  presorted=True)
     assert torch.equal(first_s, first) and torch.equal(end_s, end)
     rank = torch.empty_like(order)  # position of each pair in the sorted order
     rank.scatter_(1, order.long(), torch.arange(P, dtype=torch.int32).expand(BH, -1).contiguous())
@@ -374,7 +376,7 @@ def test_grouped_search_matches_reference(shape, knobs, monkeypatch):
     offsets = torch.tensor(ops.superlinear.anchor_offsets(T, power, sw_index), dtype=torch.int32,
                            device=DEVICE)
     cfg = KERNEL.launch_config(D)
-    launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
+    launches = record_launches(monkeypatch, KERNEL.search, "search_topk_group_kernel")
     grouped = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg, min_group=1)
     assert len(launches) == 1 and launches[0]["BLOCK_A"] == cfg.search_anchors
     per_head = KERNEL.search_topk(q_s, k, offsets, knobs["topk"], cfg, grouped=False)
@@ -404,7 +406,7 @@ def test_grouped_search_ties_go_to_the_nearest_anchor():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_grouped_search_in_the_op(dtype, monkeypatch):
     """The whole op (forward, every gradient) at a group of 4, through the grouped search."""
-    launches = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
+    launches = record_launches(monkeypatch, KERNEL.search, "search_topk_group_kernel")
     _compare((1, 41, 4, 1, 16), dict(sw_index=1, forward_factor=0.5), dtype)
     assert len(launches) == 1
 
@@ -414,8 +416,8 @@ def test_group_search_min_option(min_group, monkeypatch):
     """Launch option group_search_min: the grouped search from that group size on (1: also
     without GQA), the per-head kernel below it; both against the reference."""
     monkeypatch.setenv(LAUNCH_ENV, '{"group_search_min": %d}' % min_group)
-    grouped = record_launches(monkeypatch, KERNEL.function, "search_topk_group_kernel")
-    per_head = record_launches(monkeypatch, KERNEL.function, "search_topk_kernel")
+    grouped = record_launches(monkeypatch, KERNEL.search, "search_topk_group_kernel")
+    per_head = record_launches(monkeypatch, KERNEL.search, "search_topk_kernel")
     _compare((1, 41, 2, 2, 16), dict(sw_index=1, forward_factor=0.5), torch.float32)
     assert (len(grouped), len(per_head)) == ((1, 0) if min_group == 1 else (0, 1))
 

@@ -185,7 +185,7 @@ stage_superlinear_tests() {
 }
 
 stage_superlinear_ab() {
-  # superlinear's launch options (kernels/superlinear/function.py: launch_options): their GPU
+  # superlinear's launch options (kernels/superlinear/launch.py: launch_options): their GPU
   # tests (the options-off path included), then the benchmark of stage_superlinear_bench
   GPU_P=${GPU_P:-4} GPU_K="launch_options or matches_reference_gpu or graph" gpu_tests \
     superlinear "$R/tests/test_superlinear_kernel.py"

@@ -1,7 +1,8 @@
 """Superlinear attention's position geometry, shared by the op (``megatron_subq.ops.superlinear``)
 and the kernels (``function.py``, ``decode.py``): the window length, the candidate anchors' stride
-pattern, the span extents, as exact integer arithmetic (``..powers``). It depends on positions
-and knobs only, never on content; no triton here, so the op imports it without the kernels.
+pattern, the span extents, as exact integer arithmetic (``..powers``), and the kernels' cached
+device copies (``device_plan``). It depends on positions and knobs only, never on content; no
+triton here, so the op imports it without the kernels.
 """
 
 from __future__ import annotations
@@ -150,3 +151,40 @@ def superlinear_plan_range(first: int, stop: int, search_power: float = 0.5,
         window=superlinear_window(search_power, sw_index),
         first=first,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# plans on the device, cached
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DevicePlan:
+    """A plan with the search kernel's int32 offset table (never empty) on its device."""
+    plan: SuperlinearPlan
+    offsets_i32: torch.Tensor
+
+
+def _with_offsets(plan: SuperlinearPlan, stop: int, device) -> DevicePlan:
+    offsets = plan.offsets.to(torch.int32)
+    if offsets.numel() == 0:  # no query has an anchor (the window covers every prefix)
+        offsets = torch.full((1,), stop, dtype=torch.int32, device=device)
+    return DevicePlan(plan, offsets)
+
+
+# Plans depend on positions and knobs only, so they are built once per shape and kept on the
+# device: building one costs host time that grows with T, and its host-to-device copies
+# (pageable memory) can stall the host until the GPU has drained. Nothing writes to them.
+@lru_cache(maxsize=16)
+def device_plan(T, search_power, span_power, backward_factor, forward_factor, sw_index,
+                device) -> DevicePlan:
+    """``superlinear_plan`` of T positions on ``device``, cached (training)."""
+    return _with_offsets(superlinear_plan(T, search_power, span_power, backward_factor,
+                                          forward_factor, sw_index, device=device), T, device)
+
+
+@lru_cache(maxsize=64)
+def device_plan_range(start, stop, search_power, span_power, backward_factor, forward_factor,
+                      sw_index, device) -> DevicePlan:
+    """``superlinear_plan_range`` of positions [start, stop) on ``device``, cached (prefill)."""
+    return _with_offsets(superlinear_plan_range(start, stop, search_power, span_power,
+                                                backward_factor, forward_factor, sw_index,
+                                                device=device), stop, device)
