@@ -1,5 +1,9 @@
-"""Triton helpers shared by the chunked kernels (tile loads, matmul operand casts), and the host
-check of the kernels' 32-bit offsets."""
+"""Triton helpers shared by the chunked kernels (tile loads, matmul operand casts), the host
+check of the kernels' 32-bit offsets, and the launch configs' environment overrides."""
+
+import dataclasses
+import json
+import os
 
 import triton
 import triton.language as tl
@@ -22,6 +26,22 @@ def check_chunk_kernel_inputs(op: str, q, k, v, dtypes) -> tuple:
     if v.shape[3] != D:
         raise ValueError(f"{op}: v's head dim ({v.shape[3]}) must equal q's ({D})")
     return B, T, H, H_kv, D
+
+
+def env_overrides(cfg, env: str):
+    """``cfg`` (a frozen launch-config dataclass) with the fields that ``$env`` names (a JSON
+    object, for benchmark sweeps) replaced, read on every call; ``cfg`` itself when unset. An
+    unknown field is a ValueError naming it and the allowed ones."""
+    text = os.environ.get(env)
+    if not text:
+        return cfg
+    overrides = json.loads(text)
+    allowed = [f.name for f in dataclasses.fields(cfg)]
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ValueError(f"${env}={text}: unknown launch field(s) {unknown}; allowed "
+                         f"{allowed}")
+    return dataclasses.replace(cfg, **overrides)
 
 
 def check_int32_offsets(op: str, **sizes: int) -> None:

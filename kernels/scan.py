@@ -113,13 +113,13 @@ def scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
     out = torch.empty_like(delta, dtype=out_dtype)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
-    chunk_scan_kernel[(triton.cdiv(L, cfg["scan_block"]), B * H)](
+    chunk_scan_kernel[(triton.cdiv(L, cfg.scan_block), B * H)](
         delta, out, init if init is not None else out, final,
         chunks if chunks is not None else out, NT, L,
-        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=init is not None,
+        BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=init is not None,
         STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
-        num_stages=cfg["scan_stages"])
+        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg.scan_warps,
+        num_stages=cfg.scan_stages)
     return out, (final if store_final else None)
 
 
@@ -137,13 +137,13 @@ def scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, ch
                             device=delta.device)
         z_final = torch.empty((B, H) + tuple(dz.shape[3:]), dtype=torch.float32,
                               device=dz.device)
-    n_s = triton.cdiv(LS, cfg["scan_block"])
-    chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg["scan_block"]), B * H)](
+    n_s = triton.cdiv(LS, cfg.scan_block)
+    chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg.scan_block), B * H)](
         delta, out, init if has_init else out, final,
         dz, z_out, z_init if has_init else z_out, z_final,
         chunks if chunks is not None else out, NT, LS, LZ, n_s,
-        BLOCK=cfg["scan_block"], UNROLL=cfg["scan_unroll"], HAS_INIT=has_init,
+        BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=has_init,
         STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg["scan_warps"],
-        num_stages=cfg["scan_stages"])
+        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg.scan_warps,
+        num_stages=cfg.scan_stages)
     return out, z_out, ((final, z_final) if store_final else None)

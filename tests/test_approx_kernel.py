@@ -409,7 +409,7 @@ def _scan_states(scan, monkeypatch, B, T, H, H_kv, D, dtype, with_state, seed=21
     blocks = SMALL_BLOCKS if blocks is None else blocks
     monkeypatch.setenv(LAUNCH_ENV, json.dumps({"scan": scan, **blocks}))
     fn = KERNEL.function
-    cfg = fn._launch(D, dtype)
+    cfg = fn.launch_config(D, dtype)
     g = torch.Generator().manual_seed(seed)
     q, k, v, d_o = (torch.randn(B, T, h, D, generator=g).to(DEVICE, dtype)
                     for h in (H, H_kv, H_kv, H))

@@ -197,7 +197,7 @@ def test_kernel_packed_rejects_states():
 
 
 # ------------------------------------------------------------------------------------------
-# launch options (function.py: _launch), off by default: keep_states (the backward reuses the
+# launch options (function.py: launch_config), off by default: keep_states (the backward reuses the
 # forward's chunk states) and fused_scan (the S and z prefix sums in one launch)
 # ------------------------------------------------------------------------------------------
 LAUNCH_ENV = KERNEL.function.LAUNCH_ENV
@@ -288,7 +288,7 @@ def test_launch_option_row_blocks(launch, normalize, monkeypatch):
 def test_launch_rejects_bad_row_blocks(option, rows, monkeypatch):
     monkeypatch.setenv(LAUNCH_ENV, json.dumps({option: rows}))
     with pytest.raises(ValueError, match=f"{option}={rows}.*power of two"):
-        KERNEL.function._launch(32, 16, 32, torch.float32)
+        KERNEL.function.launch_config(32, 16, 32, torch.float32)
 
 
 # chunking: 128-token chunks (the compiled default), prefix sums over 1, 2 or 4 chunks per step
@@ -324,11 +324,11 @@ def test_launch_option_half_buffers(launch, monkeypatch):
 def test_half_states_only_for_bf16():
     """bf16 chunk states and deltas by default (fp32's range); never fp16's, whose range a state
     (a sum over every earlier token) outgrows at long T."""
-    launch = KERNEL.function._launch
+    launch = KERNEL.function.launch_config
     for option in ("states_half", "deltas_half"):
-        assert launch(128, 64, 128, torch.bfloat16)[option]
-        assert not launch(128, 64, 128, torch.float16)[option]
-        assert not launch(128, 64, 128, torch.float32)[option]
+        assert getattr(launch(128, 64, 128, torch.bfloat16), option)
+        assert not getattr(launch(128, 64, 128, torch.float16), option)
+        assert not getattr(launch(128, 64, 128, torch.float32), option)
 
 
 @pytest.mark.parametrize("option", sorted(LAUNCH_ALONE))

@@ -78,8 +78,8 @@ def _attribute(asa_fn, step, calls: int) -> dict:
         if isinstance(obj, JITFunction):
             patched.append((asa_fn, name, obj))
             setattr(asa_fn, name, TimedKernel(f"launch {name}", obj))
-        elif name.startswith("_") and callable(obj) and name in (
-                "_launch", "_chunk_states", "_chunk_delta", "_scan_pair", "_reverse_states",
+        elif callable(obj) and name in (
+                "launch_config", "_chunk_states", "_chunk_delta", "_scan_pair", "_reverse_states",
                 "_linear_r", "_param_grad"):
             patched.append((asa_fn, name, obj))
             setattr(asa_fn, name, timed(name, obj))
@@ -153,13 +153,13 @@ def main(argv=None) -> int:
 
     # single launches: the r kernel (few arguments) and the output kernel (many)
     T = 128
-    cfg = asa_fn._launch(D, m, D, dt)
+    cfg = asa_fn.launch_config(D, m, D, dt)
     o = torch.randn(B, T, H, D, device="cuda", dtype=dt)
     den = torch.rand(B, H, T, device="cuda") + 1
     r = torch.empty_like(den)
-    grid_r = (triton.cdiv(T, cfg["BT"]), B * H)
+    grid_r = (triton.cdiv(T, cfg.BT), B * H)
     r_args = (g[:, :T], o, den, r, T, H, D)
-    r_const = dict(BT=cfg["BT"], BV=asa_fn._pow2(D), num_warps=4)
+    r_const = dict(BT=cfg.BT, BV=asa_fn._pow2(D), num_warps=4)
 
     def jit_r():
         asa_chunk.asa_bwd_r_kernel[grid_r](*r_args, **r_const)
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     try:  # CompiledKernel's runner takes every kernel argument, constexprs included
         compiled = asa_chunk.asa_bwd_r_kernel.warmup(*r_args, grid=grid_r, **r_const)
         runner = compiled[grid_r + (1,)]  # a compiled kernel's grid has three dimensions
-        const_vals = (cfg["BT"], asa_fn._pow2(D))
+        const_vals = (cfg.BT, asa_fn._pow2(D))
         res["direct_launch_us[r]"] = _per_call_us(lambda: runner(*r_args, *const_vals),
                                                   args.calls * 4)
     except Exception as exc:  # an internal API: record, do not stop
@@ -181,14 +181,14 @@ def main(argv=None) -> int:
     states, zs, _ = asa_fn._chunk_states(k, v, p_k, None, None, cfg, H, 1, False)
     NT = states.shape[2]
     out = torch.empty_like(q)
-    grid_o = (NT, triton.cdiv(D, cfg["BV_out"]), B * H)
+    grid_o = (NT, triton.cdiv(D, cfg.BV_out), B * H)
     o_args = (q, k, v, p_q, p_k, states, zs, den, out, den, den, T, H, 1, D, m, D, NT,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2))
-    o_const = dict(BT=cfg["BT"], RB=cfg["out_rows"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"],
+    o_const = dict(BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out,
                    NORM=0,
-                   PREC=cfg["PREC"], VARLEN=False)
-    launch = dict(num_warps=cfg["out_warps"], num_stages=cfg["stages"])
+                   PREC=cfg.PREC, VARLEN=False)
+    launch = dict(num_warps=cfg.out_warps, num_stages=cfg.stages)
 
     def jit_o():
         asa_chunk.asa_fwd_out_kernel[grid_o](*o_args, **o_const, **launch)

@@ -20,7 +20,7 @@ features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states ent
                          dq = σ (da1 + √2 q~ ⊙ da2),  dk = σ (db1 + √2 k~ ⊙ db2)
 
 The state scans (forward states and backward reverse states) run one of two ways, chosen by the
-launch option ``scan`` (``function.py: _launch``):
+launch option ``scan`` (``function.py: launch_config``):
 
 * ``"parallel"`` (default): a delta kernel, parallel over every chunk
   (``approx_fwd_delta_kernel``, ``approx_bwd_delta_kernel``; grid (D/BK · D/BV, NT, B·H_kv),

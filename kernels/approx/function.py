@@ -8,14 +8,13 @@ an output without gradient (for prefill/decode, not for training through states)
 
 from __future__ import annotations
 
-import json
-import os
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from ..checks import triton_interpreting
-from ..common import check_chunk_kernel_inputs, check_int32_offsets
+from ..common import check_chunk_kernel_inputs, check_int32_offsets, env_overrides
 from ..scan import scan_pair as _scan_pair
 from .chunk import (
     approx_bwd_delta_kernel,
@@ -31,83 +30,72 @@ from .chunk import (
 from .state import ApproxState, check_eps, check_state
 
 # tokens per chunk (BT): the intra-chunk products are BT x BT tensor-core tiles, and the chunk
-# states (two D x D per chunk) shrink with longer chunks. 16-bit inputs use 128: on an H100
-# (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16) fwd+bwd took 2.84 → 2.47 ms at 16K and
-# 11.17 → 9.66 ms at 64K against 64 (docs/benchmarks.md). fp32 inputs keep 64: their fp32
-# tiles at 128 need twice the registers and shared memory (a small fp32 case printed nothing
-# within 120 s on the GPU at 128). 128 with BV_out 32 ended in a CUDA illegal memory access.
+# states (two D x D per chunk) shrink with longer chunks: 128 for 16-bit inputs; fp32 inputs keep
+# 64, whose fp32 tiles at 128 need twice the registers and shared memory
 CHUNK = 64
 CHUNK_HALF = 128
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs ~290 KB of shared memory (H100: 228 KB)
+MAX_HEAD_DIM = 128  # at 256 the fp32 output kernel needs more shared memory than a GPU has
 LAUNCH_ENV = "MEGATRON_SUBQ_APPROX_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
 
 
 def kernel_supports(D: int) -> bool:
     """Whether the compiled (GPU) kernels are verified for head dim ``D``.
 
-    Verified on an H100 (tests/test_approx_kernel.py, Triton 3.6, 2026-11-22): D = 96 and 128 in
-    fp32/fp16/bf16. A D = 64 fp32 case failed to launch there ("Triton Error [CUDA]: out of
-    memory", i.e. its launch resources) and was not investigated, so ``impl=None`` on CUDA uses the
-    reference outside 64 < D <= 128. The interpreter (CPU) runs every size.
+    Verified by the GPU tests (tests/test_approx_kernel.py): D = 96 and 128 in fp32/fp16/bf16.
+    A D = 64 fp32 case failed to launch there (its launch resources), so ``impl=None`` on CUDA
+    uses the reference outside 64 < D <= 128. The interpreter (CPU) runs every size.
     """
     return 64 < D <= MAX_HEAD_DIM
 
 
-def _launch(D: int, dtype: torch.dtype) -> dict:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
+@dataclass(frozen=True)
+class LaunchConfig:
+    """approx's fixed launch configuration (no autotuning: it must also run under
+    TRITON_INTERPRET=1).
 
-    keep_states (on since its GPU test and A/B, H100, 2026-11-22: fwd+bwd 3.59 → 3.10 ms at
-    T = 16K, H = 16, D = 128, bf16, sequential scans; docs/benchmarks.md): the forward saves the
-    chunk states it computed (S1, S2 entering every chunk, 2·B·H_kv·NT·D·D values in
-    ``state_dtype``, plus z1, z2, sv, 3·B·H_kv·NT·D fp32 values) for the backward, which
-    otherwise recomputes them — memory traded for time. S1, S2 are D / (BT·G) times the size of
-    o1, o2, which the forward saves anyway: at H_kv = 16, D = 128, T = 16K in bf16, 268 MB per
-    layer.
+    Tiles: BT tokens per chunk, BD the padded head dim, BK_state x BV_state the S blocks of the
+    sequential state scans (one program each), BV_out the output kernel's V block, warps per
+    kernel; PREC the dots' precision (ignored for 16-bit operands); DOT_F32 (bf16 under the
+    interpreter only) runs the dots on fp32 copies. state_dtype: the stored chunk states S (and
+    dS) in the inputs' dtype (the dots round them to it anyway), fp32 for fp32 inputs; every
+    running sum and the final state are fp32.
+    keep_states (on): the forward saves its chunk states for the backward instead of recomputing
+    them (memory for time).
+    scan: "parallel" (default; a delta kernel parallel over all chunks, BK_delta x BV_delta
+    blocks of dS1, dS2 with delta_warps, delta_stages, then the streaming prefix sum shared with
+    ASA, scan_block values per program, scan_unroll chunks per step, scan_warps, scan_stages;
+    memory-bound) or "sequential" (one program per S block walks the chunks in order;
+    latency-bound, fewer bytes).
+    deltas_half (on for bf16 inputs): the parallel scan's per-chunk deltas in bf16 (summed in
+    fp32); fp32 and fp16 inputs keep fp32 deltas (fp16's range)."""
+    BT: int
+    BD: int
+    BK_state: int
+    BV_state: int
+    BV_out: int
+    PREC: str
+    DOT_F32: bool
+    state_dtype: torch.dtype
+    warps: int
+    keep_states: bool
+    scan: str
+    BK_delta: int
+    BV_delta: int
+    delta_warps: int
+    delta_stages: int
+    deltas_half: bool
+    scan_block: int
+    scan_unroll: int
+    scan_warps: int
+    scan_stages: int
 
-    scan: how the chunk-state scans run (forward states and the backward's reverse states;
-    chunk.py's docstring):
 
-    * "parallel" (default): a delta kernel parallel over all chunks (grid
-      (D/BK_delta · D/BV_delta, NT, B·H_kv), ``delta_warps`` warps, ``delta_stages``; each
-      program computes its chunk's [BK_delta, BV_delta] blocks of ΔS1 and ΔS2 with tensor-core
-      dots — two fp32 accumulators, 64 x 64 at D = 128 — and its share of the vector deltas),
-      then the streaming prefix sum over chunks shared with ASA (``chunk_scan_pair_kernel``:
-      S and the z1, z2, sv vectors in one launch, grid
-      (cdiv(2D², scan_block) + cdiv(3D, scan_block), B·H_kv); ``scan_block`` values per
-      program, ``scan_unroll`` chunks loaded per step, ``scan_warps``, ``scan_stages``; fp32
-      running sums). Per chunk and KV head the deltas are 2·D² values (+ 3·D fp32), written
-      once and read once by the scan, which writes the states (2·D² in ``state_dtype``): at
-      D = 128 in bf16 64 KB + 64 KB + 64 KB, ≈ 805 MB per pass at T = 16K, H_kv = 16 (plus k,
-      v or q, dO read by the delta kernel, twice at D = 128: once per 64-column block) —
-      memory-bound, where the sequential walk is latency-bound.
-    * "sequential": one program per ``BK_state × BV_state`` block of S and (batch, KV head)
-      walks every chunk in order with a matmul per chunk (500 µs forward, 872 µs backward at
-      16K on an H100, latency-bound; fewer bytes: no deltas).
-
-    H100 A/B (2026-11-22, CUDA graph, B = 1, H = 16, D = 128, bf16; docs/benchmarks.md):
-    fwd+bwd 3.04 → 2.75 ms at 16K and 12.02 → 10.82 ms at 64K (parallel against sequential);
-    all 30 approx GPU tests pass on both paths.
-
-    deltas_half (on for bf16 inputs, as ASA's): the parallel scan's per-chunk deltas in bf16
-    (the scan sums them in fp32; the chunk states are rounded to bf16 for the tensor cores
-    anyway), halving the delta bytes. The fp32 final state (prefill) then carries the deltas'
-    bf16 rounding: ≈ 3e-3 relative to the sequential scan's in the interpreter tests, within
-    bf16's bound. fp32 inputs keep fp32 deltas; fp16 inputs too (range: a chunk's delta sums 64
-    tokens' products, and fp16 stops at 65504 where bf16 has fp32's range).
-
-    state_dtype: the stored chunk states (S, and the backward's dS) in the inputs' dtype for
-    bf16/fp16 — the output and gradient kernels round them to it for their tensor-core dots
-    anyway — fp32 for fp32 inputs; z1, z2, sv, their reverse counterparts, every running sum
-    and the final state are fp32 on both paths. fp16 range: S is a sum over every earlier token
-    (≈ T·|k~||v|), which can pass fp16's 65504 at long T with large activations; storing it in
-    fp32 would not help while the dots take fp16 operands (as before this scan existed): use
-    bf16 for long sequences.
-
-    ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON) overrides any key, read on every call.
-    """
+def launch_config(D: int, dtype: torch.dtype) -> LaunchConfig:
+    """The launch config for head dim D in ``dtype``, with the overrides of
+    ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON, any field), read on every call."""
     BD = max(16, triton.next_power_of_2(D))
-    cfg = dict(
+    cfg = LaunchConfig(
         BT=CHUNK if dtype == torch.float32 else CHUNK_HALF, BD=BD,
         # S blocks of the sequential state scans, one program each: 2 x 4 blocks per head at 128
         BK_state=min(64, BD), BV_state=min(32, BD),
@@ -118,20 +106,17 @@ def _launch(D: int, dtype: torch.dtype) -> dict:
         warps=4 if BD <= 64 else 8,
         keep_states=True,
         scan="parallel",
-        # the delta kernels' [BK, BV] blocks of ΔS1, ΔS2 (both in one program) and warps: at
-        # D = 128, bf16, a local sm_90 compile (Triton 3.9, ptxas -v) gives 144 (forward) and
-        # 187 (backward) registers per thread without spills at 64 x 64 and 8 warps; 128 x 64
-        # spills in the backward (~400-600 B), and so do both at 4 warps
+        # the delta kernels' [BK, BV] blocks of dS1, dS2 (both in one program) and warps: at
+        # D = 128, 64 x 64 and 8 warps compile without register spills; 128 x 64 spills in the
+        # backward, and so do both at 4 warps
         BK_delta=min(64, BD), BV_delta=min(64, BD), delta_warps=8 if BD >= 64 else 4,
         delta_stages=3,
         deltas_half=dtype == torch.bfloat16,
         scan_block=1024, scan_unroll=8, scan_warps=4, scan_stages=1,
     )
-    overrides = os.environ.get(LAUNCH_ENV)
-    if overrides:
-        cfg.update(json.loads(overrides))
-    if cfg["scan"] not in ("parallel", "sequential"):
-        raise ValueError(f"approx launch config: scan={cfg['scan']!r}; allowed 'parallel' or "
+    cfg = env_overrides(cfg, LAUNCH_ENV)
+    if cfg.scan not in ("parallel", "sequential"):
+        raise ValueError(f"approx launch config: scan={cfg.scan!r}; allowed 'parallel' or "
                          "'sequential'")
     return cfg
 
@@ -149,31 +134,31 @@ def _forward_states(k, v, state, cfg, store_final: bool):
     ``(S [B, H_kv, 2, D, D], zv [B, H_kv, 3, D])`` if asked. ``state``: None or the initial
     state packed the same way (fp32, contiguous)."""
     B, T, H_kv, D = k.shape
-    NT = triton.cdiv(T, cfg["BT"])
+    NT = triton.cdiv(T, cfg.BT)
     dev = k.device
     scale = D ** -0.25
-    if cfg["scan"] == "parallel":
-        half = cfg["deltas_half"] and k.dtype in (torch.float16, torch.bfloat16)
+    if cfg.scan == "parallel":
+        half = cfg.deltas_half and k.dtype in (torch.float16, torch.bfloat16)
         ds, dzv = _empty_states(B, H_kv, NT, D, k.dtype if half else torch.float32, dev)
-        n_k, n_v = triton.cdiv(D, cfg["BK_delta"]), triton.cdiv(D, cfg["BV_delta"])
+        n_k, n_v = triton.cdiv(D, cfg.BK_delta), triton.cdiv(D, cfg.BV_delta)
         approx_fwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
             k, v, ds, dzv, T, H_kv, D, NT, n_v, scale,
-            BT=cfg["BT"], BK=cfg["BK_delta"], BV=cfg["BV_delta"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=cfg["delta_warps"],
-            num_stages=cfg["delta_stages"])
+            BT=cfg.BT, BK=cfg.BK_delta, BV=cfg.BV_delta, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
+            num_stages=cfg.delta_stages)
         s0, zv0 = state if state is not None else (None, None)
-        return _scan_pair(ds, dzv, s0, zv0, cfg, False, store_final, None, cfg["state_dtype"])
-    s, zv = _empty_states(B, H_kv, NT, D, cfg["state_dtype"], dev)
+        return _scan_pair(ds, dzv, s0, zv0, cfg, False, store_final, None, cfg.state_dtype)
+    s, zv = _empty_states(B, H_kv, NT, D, cfg.state_dtype, dev)
     final = None
     if store_final:
         final = (torch.empty(B, H_kv, 2, D, D, dtype=torch.float32, device=dev),
                  torch.empty(B, H_kv, 3, D, dtype=torch.float32, device=dev))
     initial = state if state is not None else (s, zv)  # never read without a state
-    grid = (triton.cdiv(D, cfg["BK_state"]), triton.cdiv(D, cfg["BV_state"]), B * H_kv)
+    grid = (triton.cdiv(D, cfg.BK_state), triton.cdiv(D, cfg.BV_state), B * H_kv)
     approx_fwd_states_kernel[grid](
         k, v, *initial, s, zv, *(final or (s, zv)), T, H_kv, D, NT, scale,
-        BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], HAS_STATE=state is not None,
-        STORE_FINAL=store_final, PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"], num_warps=4)
+        BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state, HAS_STATE=state is not None,
+        STORE_FINAL=store_final, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=4)
     return s, zv, final
 
 
@@ -183,22 +168,22 @@ def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: 
     ``[B, H_kv, NT, 3, D]``)."""
     B, T, H, D = q.shape
     G, scale = H // H_kv, D ** -0.25
-    if cfg["scan"] == "parallel":
-        half = cfg["deltas_half"] and q.dtype in (torch.float16, torch.bfloat16)
+    if cfg.scan == "parallel":
+        half = cfg.deltas_half and q.dtype in (torch.float16, torch.bfloat16)
         ds, dzv = _empty_states(B, H_kv, NT, D, q.dtype if half else torch.float32, q.device)
-        n_k, n_v = triton.cdiv(D, cfg["BK_delta"]), triton.cdiv(D, cfg["BV_delta"])
+        n_k, n_v = triton.cdiv(D, cfg.BK_delta), triton.cdiv(D, cfg.BV_delta)
         approx_bwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
             q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, n_v, length0, scale, eps,
-            BT=cfg["BT"], BK=cfg["BK_delta"], BV=cfg["BV_delta"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=cfg["delta_warps"],
-            num_stages=cfg["delta_stages"])
-        return _scan_pair(ds, dzv, None, None, cfg, True, False, None, cfg["state_dtype"])[:2]
-    ds, dzv = _empty_states(B, H_kv, NT, D, cfg["state_dtype"], q.device)
-    grid = (triton.cdiv(D, cfg["BK_state"]), triton.cdiv(D, cfg["BV_state"]), B * H_kv)
+            BT=cfg.BT, BK=cfg.BK_delta, BV=cfg.BV_delta, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
+            num_stages=cfg.delta_stages)
+        return _scan_pair(ds, dzv, None, None, cfg, True, False, None, cfg.state_dtype)[:2]
+    ds, dzv = _empty_states(B, H_kv, NT, D, cfg.state_dtype, q.device)
+    grid = (triton.cdiv(D, cfg.BK_state), triton.cdiv(D, cfg.BV_state), B * H_kv)
     approx_bwd_states_kernel[grid](
         q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, length0, scale, eps,
-        BT=cfg["BT"], BK=cfg["BK_state"], BV=cfg["BV_state"], PREC=cfg["PREC"],
-        DOT_F32=cfg["DOT_F32"], num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
+        BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state, PREC=cfg.PREC,
+        DOT_F32=cfg.DOT_F32, num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
     return ds, dzv
 
 
@@ -206,7 +191,7 @@ class ApproxChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, eps: float, length0: int, s1_0, s2_0, z1_0, z2_0, sv_0,
                 output_final_state: bool, cfg: dict):
-        """cfg: ``_launch(D, q.dtype)``, read once per call by ``approx_attention_kernel``."""
+        """cfg: ``launch_config(D, q.dtype)``, read once per call by ``approx_attention_kernel``."""
         q, k, v = (x.contiguous() for x in (q, k, v))
         B, T, H, D = q.shape
         H_kv = k.shape[2]
@@ -218,15 +203,15 @@ class ApproxChunkFunction(torch.autograd.Function):
         s, zv, final = _forward_states(k, v, state, cfg, bool(output_final_state))
         NT = s.shape[2]
         o = torch.empty_like(q)
-        o1 = torch.empty(B, T, H, D, dtype=cfg["state_dtype"], device=q.device)
+        o1 = torch.empty(B, T, H, D, dtype=cfg.state_dtype, device=q.device)
         o2 = torch.empty_like(o1)
         den = torch.empty(B, H, 2, T, dtype=torch.float32, device=q.device)
-        approx_fwd_out_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
+        approx_fwd_out_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
             q, k, v, s, zv, o, o1, o2, den,
             T, H, H_kv, G, D, NT, length0, D ** -0.25, eps,
-            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
-        kept = (s, zv) if cfg["keep_states"] else (None, None)
+            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
+        kept = (s, zv) if cfg.keep_states else (None, None)
         initial = state if state is not None else (None, None)
         ctx.save_for_backward(q, k, v, o1, o2, den, *initial, *kept)
         ctx.cfg, ctx.eps, ctx.length0 = cfg, eps, length0
@@ -254,24 +239,24 @@ class ApproxChunkFunction(torch.autograd.Function):
         scale = D ** -0.25
         r = torch.empty_like(den)
         approx_bwd_prep_kernel[(NT, B * H)](
-            d_o, o1, o2, den, r, T, H, D, eps, BT=cfg["BT"], BD=cfg["BD"],
-            num_warps=cfg["warps"])
+            d_o, o1, o2, den, r, T, H, D, eps, BT=cfg.BT, BD=cfg.BD,
+            num_warps=cfg.warps)
         ds, dzv = _reverse_states(q, d_o, den, r, cfg, H_kv, NT, length0, eps)
         # dk, dv per query head, summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty_like(q)
         dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
         dv_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
-        common = dict(BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
-                      DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
+        common = dict(BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
+                      DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         approx_bwd_dq_kernel[(NT, B * H)](
             q, k, v, d_o, den, r, s, zv, dq, T, H, H_kv, G, D, NT, scale, eps, **common)
         approx_bwd_dk_kernel[(NT, B * H)](
             q, k, v, d_o, den, r, ds, dzv, dk_h, T, H, H_kv, G, D, NT, scale, eps, **common)
-        approx_bwd_dv_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
+        approx_bwd_dv_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
             q, k, d_o, den, ds, dzv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
-            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_out"], PREC=cfg["PREC"],
-            DOT_F32=cfg["DOT_F32"], num_warps=cfg["warps"])
+            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, D).sum(dim=3).to(v.dtype)
@@ -296,9 +281,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
         raise ValueError(f"{op}: head dim {D} is above the kernel's {MAX_HEAD_DIM} (its [64, D] "
                          "tiles and D x D state blocks outgrow shared memory); use "
                          "impl='reference'")
-    cfg = _launch(D, q.dtype)
+    cfg = launch_config(D, q.dtype)
     check_int32_offsets(op, q=q.numel(), k=k.numel(),
-                        chunk_states=2 * B * H_kv * triton.cdiv(T, cfg["BT"]) * D * D)
+                        chunk_states=2 * B * H_kv * triton.cdiv(T, cfg.BT) * D * D)
     tensors0 = (None,) * 5
     length0 = 0
     if state is not None:

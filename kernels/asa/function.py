@@ -8,16 +8,16 @@ final state an output without gradient (for prefill/decode, not for training thr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
-import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 import triton
 
 from ..checks import check_cu_seqlens, triton_interpreting
-from ..common import check_int32_offsets
+from ..common import check_int32_offsets, env_overrides
 from ..scan import scan as _scan, scan_pair as _scan_pair
 from .chunk import (
     asa_bwd_block_kernel,
@@ -38,85 +38,82 @@ def _pow2(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
 
 
-def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
+@dataclass(frozen=True)
+class LaunchConfig:
+    """ASA's fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
 
-    BT: tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles); BV_*: Dv
-    block per kernel; *_warps: warps per kernel; stages: software-pipelining depth; CPG: chunks
-    per program of the dP reduction ("auto": about two programs per SM, at most 16 chunks each —
-    with a fixed 16 the 2K-token reduction ran 16 programs, 54 µs of a 214 µs step on an H100);
+    Tiles: BT tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles), BD, BM
+    the padded head dim and feature count, BV_* the Dv block per kernel (BV_state: the
+    sequential state scans; BV_delta: the per-chunk delta kernel; BV_out, BV_bwd: the output and
+    gradient kernels); *_warps the warps per kernel; stages the software-pipelining depth; PREC
+    the dots' precision (tf32 is ignored for 16-bit inputs); CPG chunks per program of the dP
+    reduction ("auto": about two programs per SM, at most 16 chunks each).
     scan: "parallel" (per-chunk deltas in parallel, then a streaming prefix sum) or
-    "sequential" (one fused loop over chunks per head: fewer bytes, but its latency grows with
-    T/BT); scan_block, scan_unroll, scan_warps, scan_stages: the
-    prefix-sum kernel's values per program, chunks per step, warps and stages.
+    "sequential" (one fused loop over chunks per head: fewer bytes, latency grows with T/BT);
+    scan_block, scan_unroll, scan_warps, scan_stages: the prefix-sum kernel's values per program,
+    chunks per step, warps and stages.
+    bwd_rows, out_rows: rows per program of the gradient and output kernels, a power of two from
+    16 to BT; the program meets its chunk's other row blocks in RB x RB tiles.
+    Switches (on by default; off, the form they replaced, kept for the tests):
+    keep_states (the forward saves its chunk states for the backward instead of recomputing
+    them: memory for time); fused_scan (the S and z prefix sums in one launch); r_kernel (the
+    linear normalisation's r = -(dO·o)/den in ``asa_bwd_r_kernel`` instead of torch ops on fp32
+    copies); dl_half (the feature-logit gradients between the gradient and dP kernels in the
+    inputs' half dtype); states_half, deltas_half (bf16 inputs only: the stored chunk states and
+    the per-chunk deltas in bf16, running sums and final state fp32; never fp16, whose range a
+    state, a sum over every earlier token, outgrows at long T)."""
+    BT: int
+    BD: int
+    BM: int
+    BV_state: int
+    BV_delta: int
+    delta_warps: int
+    BV_out: int
+    BV_bwd: int
+    PREC: str
+    state_warps: int
+    out_warps: int
+    bwd_warps: int
+    dp_warps: int
+    stages: int
+    CPG: Union[int, str]
+    scan: str
+    scan_block: int
+    scan_unroll: int
+    scan_warps: int
+    scan_stages: int
+    keep_states: bool
+    fused_scan: bool
+    r_kernel: bool
+    dl_half: bool
+    states_half: bool
+    deltas_half: bool
+    bwd_rows: int
+    out_rows: int
 
-    Three switches, on by default since the A/B of docs/benchmarks.md (H100, 2026-11-22: 2.79 ms
-    → 1.44 ms fwd+bwd at T = 16K together with BT = 128 and stages = 1):
 
-    * keep_states: the forward saves its chunk states S_c, z_c (fp32, B·H·NT·m·(Dv + 1) values)
-      for the backward, which otherwise recomputes them (a delta kernel and a scan, or the
-      sequential state kernel) — memory traded for time;
-    * fused_scan: the parallel path's S and z prefix sums (forward states and backward reverse
-      states, packed sequences included) run in one launch (``chunk_scan_pair_kernel``)
-      instead of two;
-    * r_kernel: the linear normalisation's r = −(dO·o)/den comes from ``asa_bwd_r_kernel``, which
-      reads dO and o once in their own dtype, instead of torch ops on fp32 copies of both.
-
-    dl_half (on; H100 A/B: dP 144 → 86 µs at T = 16K): the feature-logit gradients dℓ, written
-    by the gradient kernel and read by the dP reduction, in the inputs' half dtype instead of
-    fp32 (half the bytes; dP's products then run on half operands, accumulated in fp32).
-
-    states_half (on for bf16 inputs): the chunk states S_c and dS_c (the scans' outputs, read
-    by the output and gradient kernels) stored in bf16; the running sums and the final state
-    stay fp32 (the per-chunk deltas: deltas_half). H100, CUDA-graph timing, T = 16K
-    (docs/benchmarks.md): fwd+bwd 1.192 → 1.149 ms (the scan's stores 94 → 70 µs). Not for
-    fp16 inputs: a state is a sum over every earlier token (≈ T·|v|), past fp16's 65504 at
-    long T; bf16 has fp32's range.
-
-    deltas_half (on for bf16 inputs; the same reasons as states_half): the per-chunk state
-    contributions k'ᵀv and q'ᵀg, written by the delta kernel and read once by the scan, in bf16
-    (the scan sums them in fp32). At T = 64K they are 268 MB per pass in fp32, written and read
-    in the forward and again in the backward — ≈ 1 GB of the step's traffic.
-
-    bwd_rows, out_rows: rows per program of the gradient and output kernels, a power of two
-    dividing BT (``asa_bwd_block_kernel``, ``asa_fwd_out_kernel``): the program holds [RB, ·]
-    accumulators and meets its chunk's other blocks in RB × RB tiles. 64 on the GPU: H100 A/B
-    (2026-11-22, CUDA graph, T = 64K, B = 1, H = 16, d_h = 128, m = 64, bf16): the gradient
-    kernel (whole 128-token chunks, 8 warps, spilling) 2116 → 1864 µs at 64 rows and 4 warps
-    (8 warps: 3515, 32 rows: 3743), the output kernel 651 → 572 µs; fwd+bwd 4.02 → 3.67 ms.
-    The interpreter runs 32 (two blocks of its 64-token chunks), so that CI tests the tiling.
-    (Removed after that A/B: the whole-chunk gradient kernel with its bwd_split variant, and
-    r_in_delta — r computed by the backward delta kernel, which then took as much longer
-    (514 → 693 µs) as the r kernel it saved.)
-
-    The interpreter keeps BT = 64, so that the CPU tests' lengths around 64 straddle a chunk
-    boundary; the tests run BT = 128 explicitly too. ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON)
-    overrides any value.
-    """
+def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
+    """The launch config for head dims D, Dv and m features in ``dtype``, with the overrides of
+    ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON, any field). The interpreter keeps 64-token chunks and
+    32-row blocks, so that the CPU tests' lengths around 64 straddle a chunk and tile the rows."""
     # compiled, the feature tile is at least 64 wide: with m padded to 32, fp16/bf16 inputs hit an
-    # illegal memory access on an H100 (Triton 3.6, 2026-11-22; fp32 was fine) — padded features
-    # cost a little compute and are masked to zero like any other padding
+    # illegal memory access on the GPU (fp32 was fine); padded features are masked to zero
     interpreting = triton_interpreting()
     BD, BV_all = _pow2(D), _pow2(Dv)
     BM = _pow2(m, floor=16 if interpreting else 64)
     big_tiles = max(BD, BM, BV_all) > 128 or dtype == torch.float32
-    cfg = dict(
+    cfg = LaunchConfig(
         # 128-token chunks halve the chunk states and scan steps; tiles wider than 128 (d_h or
         # m of 256) and fp32 tiles (twice the bytes; fp32 is for checking, not for speed) keep
         # 64 so a chunk's tiles still fit in registers and shared memory
         BT=64 if interpreting or big_tiles else 128, BD=BD, BM=BM,
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
-        # the per-chunk delta kernel: one program per chunk (the features computed once) with
-        # 8 warps (127 registers, no spills in a local sm_90 compile; H100 A/B, CUDA graph:
-        # 622 → 513 µs at 64K, fwd+bwd 4.20 → 4.11 ms); tiles wider than 128 and fp32 keep
-        # the earlier 64 columns and 4 warps
+        # the per-chunk delta kernel: one program per chunk (the features computed once), 8
+        # warps without spills; tiles wider than 128 and fp32 keep 64 columns and 4 warps
         BV_delta=min(64 if big_tiles else 128, BV_all), delta_warps=4 if big_tiles else 8,
         BV_out=min(128, BV_all),
         BV_bwd=min(64 if big_tiles else 128, BV_all),
         PREC="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
-        # the output kernel with 4 warps also for wide tiles: H100 A/B (2026-11-22, CUDA
-        # graph, d_h 128, m 64, bf16) 16K 1.109 → 1.099 ms, 64K 4.095 → 4.014 ms fwd+bwd; the
-        # 15 reference GPU tests pass under it
         state_warps=4, out_warps=4, bwd_warps=4, dp_warps=4,
         stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024,
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
@@ -124,26 +121,25 @@ def _launch(D: int, m: int, Dv: int, dtype: torch.dtype) -> dict:
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
         bwd_rows=32 if interpreting else 64, out_rows=32 if interpreting else 64,
     )
-    overrides = os.environ.get(LAUNCH_ENV)
-    if overrides:
-        cfg.update(json.loads(overrides))
-    for name in ("bwd_rows", "out_rows"):  # rows per program, in blocks of a chunk
-        cfg[name] = min(cfg[name], cfg["BT"])  # 64-token chunks: one block
-        rows = cfg[name]
-        if rows < 16 or cfg["BT"] % rows:
+    cfg = env_overrides(cfg, LAUNCH_ENV)
+    # rows per program, in blocks of a chunk (64-token chunks: one block)
+    cfg = dataclasses.replace(cfg, bwd_rows=min(cfg.bwd_rows, cfg.BT),
+                              out_rows=min(cfg.out_rows, cfg.BT))
+    for name in ("bwd_rows", "out_rows"):
+        rows = getattr(cfg, name)
+        if rows < 16 or cfg.BT % rows:
             raise ValueError(f"ASA launch config: {name}={rows}; allowed a power of two from "
-                             f"16 to BT={cfg['BT']}")
+                             f"16 to BT={cfg.BT}")
     return cfg
 
 
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
     """Whether the compiled (GPU) kernels are verified for these sizes.
 
-    Verified on an H100 (tests/test_asa_kernel.py, Triton 3.6, 2026-11-22): D and Dv padded to
-    64, 128 or 256 and m up to 256 (the feature tile padded to at least 64, see ``_launch``),
-    except d_h or d_v of 256 together with m > 64, which no GPU test has run yet (the tile
-    candidates in the tests say which pass: d256-m32, d256-m64 and d128-m256 did). Other sizes
-    are refused on CUDA until verified there. The interpreter (CPU) runs every size.
+    Verified by the GPU tests (tests/test_asa_kernel.py): D and Dv padded to 64, 128 or 256 and
+    m up to 256 (the feature tile padded to at least 64, see ``launch_config``), except d_h or
+    d_v of 256 together with m > 64, which no GPU test has run yet. Other sizes are refused on
+    CUDA until verified there. The interpreter (CPU) runs every size.
     """
     wide = max(_pow2(D), _pow2(Dv)) == 256
     return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
@@ -167,12 +163,12 @@ def chunk_table(bounds: list, BT: int, device) -> torch.Tensor:
 
 
 def _num_chunks(T: int, cfg, chunks: Optional[torch.Tensor]) -> int:
-    return triton.cdiv(T, cfg["BT"]) if chunks is None else chunks.shape[0]
+    return triton.cdiv(T, cfg.BT) if chunks is None else chunks.shape[0]
 
 
 def _state_dtype(x: torch.Tensor, cfg) -> torch.dtype:
     """The stored chunk states' dtype: the inputs' half dtype with cfg states_half, else fp32."""
-    return x.dtype if cfg["states_half"] else torch.float32
+    return x.dtype if cfg.states_half else torch.float32
 
 
 def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None):
@@ -181,19 +177,19 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
     Dv, m = y.shape[3], p.shape[2]
     NT = _num_chunks(T, cfg, chunks)
     delta = torch.empty(B, H, NT, m, Dv, device=x.device,
-                        dtype=x.dtype if cfg["deltas_half"] else torch.float32)
+                        dtype=x.dtype if cfg.deltas_half else torch.float32)
     # every program writes its dz except in the backward without the linear normalisation
     # (no r), where the z sums are unused but still scanned: zeros then, else no fill launch
     alloc = torch.zeros if backward and norm != 0 else torch.empty
     dz = alloc(B, H, NT, m, dtype=torch.float32, device=x.device)
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
-    asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg["BV_delta"]), B * H)](
+    asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg.BV_delta), B * H)](
         x, p, y, den, r, delta, dz, chunks if chunks is not None else delta, T, H, G, D, m, Dv,
         NT, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_delta"], BACKWARD=backward,
-        NORM=norm, PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["delta_warps"],
-        num_stages=cfg["stages"])
+        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_delta, BACKWARD=backward,
+        NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.delta_warps,
+        num_stages=cfg.stages)
     return delta, dz
 
 
@@ -202,18 +198,18 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     state when asked. Packed sequences (a chunk table) always take the parallel scan."""
     B, T, _, D = k.shape
     Dv, m = v.shape[3], p_k.shape[2]
-    if cfg["scan"] == "parallel" or chunks is not None:
+    if cfg.scan == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(k, p_k, v, None, None, cfg, H, G, False, 0, chunks)
         dtype = _state_dtype(k, cfg)
-        if cfg["fused_scan"]:
+        if cfg.fused_scan:
             return _scan_pair(delta, dz, s0, z0, cfg, False, store_final, chunks, dtype)
         states, s_final = _scan(delta, s0, cfg, False, store_final, chunks, dtype)
         zs, z_final = _scan(dz, z0, cfg, False, store_final, chunks)
         return states, zs, (s_final, z_final) if store_final else None
-    if cfg["scan"] != "sequential":
-        raise ValueError(f"ASA launch config: scan={cfg['scan']!r}; allowed 'parallel' or "
+    if cfg.scan != "sequential":
+        raise ValueError(f"ASA launch config: scan={cfg.scan!r}; allowed 'parallel' or "
                          "'sequential'")
-    NT = triton.cdiv(T, cfg["BT"])
+    NT = triton.cdiv(T, cfg.BT)
     states = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=k.device)
     zs = torch.empty(B, H, NT, m, dtype=torch.float32, device=k.device)
     s_final, z_final = states, zs  # unwritten unless store_final
@@ -221,14 +217,14 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
         s_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=k.device)
         z_final = torch.empty(B, H, m, dtype=torch.float32, device=k.device)
     has_s0 = s0 is not None
-    grid = (triton.cdiv(Dv, cfg["BV_state"]), B * H)
+    grid = (triton.cdiv(Dv, cfg.BV_state), B * H)
     asa_fwd_states_kernel[grid](
         k, v, p_k, s0 if has_s0 else states, z0 if has_s0 else zs, states, zs, s_final, z_final,
         T, H, G, D, m, Dv, NT,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"],
-        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg["PREC"],
-        num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state,
+        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg.PREC,
+        num_warps=cfg.state_warps, num_stages=cfg.stages)
     return states, zs, (s_final, z_final) if store_final else None
 
 
@@ -237,20 +233,20 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     (chunks of the same sequence only, with a chunk table)."""
     B, T, H, D = q.shape
     Dv, m = d_o.shape[3], p_q.shape[2]
-    if cfg["scan"] == "parallel" or chunks is not None:
+    if cfg.scan == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
         dtype = _state_dtype(q, cfg)
-        if cfg["fused_scan"]:
+        if cfg.fused_scan:
             return _scan_pair(delta, dz, None, None, cfg, True, False, chunks, dtype)[:2]
         return (_scan(delta, None, cfg, True, False, chunks, dtype)[0],
                 _scan(dz, None, cfg, True, False, chunks)[0])
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
     dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
-    asa_bwd_states_kernel[(triton.cdiv(Dv, cfg["BV_state"]), B * H)](
+    asa_bwd_states_kernel[(triton.cdiv(Dv, cfg.BV_state), B * H)](
         q, p_q, d_o, den, r, dstates, dzs,
         T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
-        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_state"], NORM=norm,
-        PREC=cfg["PREC"], num_warps=cfg["state_warps"], num_stages=cfg["stages"])
+        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state, NORM=norm,
+        PREC=cfg.PREC, num_warps=cfg.state_warps, num_stages=cfg.stages)
     return dstates, dzs
 
 
@@ -258,8 +254,8 @@ def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
     """r = −(dO·o)/den per token, [B, H, T] fp32 (``asa_bwd_r_kernel``); dO, o contiguous."""
     B, T, H, Dv = o.shape
     r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
-    asa_bwd_r_kernel[(triton.cdiv(T, cfg["BT"]), B * H)](
-        d_o, o, den, r, T, H, Dv, BT=cfg["BT"], BV=_pow2(Dv), num_warps=4)
+    asa_bwd_r_kernel[(triton.cdiv(T, cfg.BT), B * H)](
+        d_o, o, den, r, T, H, Dv, BT=cfg.BT, BV=_pow2(Dv), num_warps=4)
     return r
 
 
@@ -272,8 +268,8 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
     B, T, _, D = x.shape
     H, m = dl.shape[2], dl.shape[3]
-    NT = triton.cdiv(T, cfg["BT"])
-    cpg = cfg["CPG"]
+    NT = triton.cdiv(T, cfg.BT)
+    cpg = cfg.CPG
     if cpg == "auto":
         cpg = triton.cdiv(NT * B * H, 2 * _sm_count(x.device))
     cpg = max(1, min(cpg, 16, NT))
@@ -281,8 +277,8 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
     asa_bwd_dp_kernel[(n_groups, B * H)](
         x, dl, part, T, H, G, D, m, NT, cpg, x.stride(0), x.stride(1), x.stride(2),
-        BT=cfg["BT"], BD=cfg["BD"], BM=cfg["BM"], PREC=cfg["PREC"],
-        num_warps=cfg["dp_warps"], num_stages=cfg["stages"])
+        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, PREC=cfg.PREC,
+        num_warps=cfg.dp_warps, num_stages=cfg.stages)
     return part.sum(dim=(0, 1))
 
 
@@ -296,9 +292,9 @@ class ASAChunkFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         G = H // k.shape[2]
         Dv, m = v.shape[3], p_q.shape[2]
-        cfg = _launch(D, m, Dv, q.dtype)
+        cfg = launch_config(D, m, Dv, q.dtype)
         norm = NORM_CODES[normalize]
-        chunks = None if seq_bounds is None else chunk_table(seq_bounds, cfg["BT"], q.device)
+        chunks = None if seq_bounds is None else chunk_table(seq_bounds, cfg.BT, q.device)
         if s0 is not None:
             s0, z0 = s0.contiguous(), z0.contiguous()
         if norm != 2:
@@ -312,18 +308,18 @@ class ASAChunkFunction(torch.autograd.Function):
         NT = states.shape[2]
         o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        grid = (NT * (cfg["BT"] // cfg["out_rows"]), triton.cdiv(Dv, cfg["BV_out"]), B * H)
+        grid = (NT * (cfg.BT // cfg.out_rows), triton.cdiv(Dv, cfg.BV_out), B * H)
         asa_fwd_out_kernel[grid](
             q, k, v, p_q, p_k, states, zs, den if seen is None else seen, o, den,
             chunks if chunks is not None else den,
             T, H, G, D, m, Dv, NT,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
-            BT=cfg["BT"], RB=cfg["out_rows"], BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_out"],
+            BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out,
             NORM=norm,
-            PREC=cfg["PREC"], VARLEN=chunks is not None, num_warps=cfg["out_warps"],
-            num_stages=cfg["stages"])
-        kept = (states, zs) if cfg["keep_states"] else (None, None)
+            PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.out_warps,
+            num_stages=cfg.stages)
+        kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
         if final is None:
@@ -343,7 +339,7 @@ class ASAChunkFunction(torch.autograd.Function):
         if states is None:  # not kept by the forward (cfg keep_states): recomputed
             states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
-        if norm == 0 and cfg["r_kernel"]:
+        if norm == 0 and cfg.r_kernel:
             r = _linear_r(d_o, o, den, cfg)
         elif norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
             r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
@@ -357,20 +353,20 @@ class ASAChunkFunction(torch.autograd.Function):
         dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
         dv_h = torch.empty(B, T, H, Dv, dtype=kv_grad_dtype, device=q.device)
         # dℓ (the feature logits' gradients) stay in HBM until dP: fp32, or the inputs' dtype
-        dl_dtype = q.dtype if cfg["dl_half"] else torch.float32
+        dl_dtype = q.dtype if cfg.dl_half else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
-        rows = cfg["bwd_rows"]
+        rows = cfg.bwd_rows
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
-            asa_bwd_block_kernel[(NT * (cfg["BT"] // rows), B * H)](
+            asa_bwd_block_kernel[(NT * (cfg.BT // rows), B * H)](
                 q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
                 dx, dv_h, dl, chunks if chunks is not None else den,
                 T, H, G, D, m, Dv, NT,
                 q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                 v.stride(0), v.stride(1), v.stride(2),
-                BT=cfg["BT"], RB=rows, BD=cfg["BD"], BM=cfg["BM"], BV=cfg["BV_bwd"],
-                NV=triton.cdiv(Dv, cfg["BV_bwd"]), NORM=norm, PREC=cfg["PREC"], SIDE=side,
-                VARLEN=chunks is not None, num_warps=cfg["bwd_warps"], num_stages=cfg["stages"])
+                BT=cfg.BT, RB=rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_bwd,
+                NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
+                VARLEN=chunks is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)

@@ -9,6 +9,7 @@ without gradient (for prefill/decode, not for training through states).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,12 +32,31 @@ CHUNK_SMALL_D, CHUNK_LARGE_D = 64, 32
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _launch(D: int, T: int, dtype: torch.dtype) -> dict:
-    """Fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1)."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    """nonapprox's fixed launch configuration (no autotuning: it must also run under
+    TRITON_INTERPRET=1): BT tokens per chunk, BD the padded head dim, NT the chunk count,
+    BV_sum / BV_out / BV_scan the V block of the summary, output and scan kernels, NB chunks per
+    step of the scans, PREC the dots' precision (ignored for 16-bit operands), DOT_F32 the dots
+    on fp32 copies (bf16 under the interpreter only), warps per kernel."""
+    BT: int
+    BD: int
+    NT: int
+    BV_sum: int
+    BV_out: int
+    BV_scan: int
+    NB: int
+    PREC: str
+    DOT_F32: bool
+    warps: int
+
+
+def launch_config(D: int, T: int, dtype: torch.dtype) -> LaunchConfig:
+    """The launch config for head dim D, T tokens in ``dtype`` (no environment overrides)."""
     BD = max(16, triton.next_power_of_2(D))
     BT = CHUNK_SMALL_D if BD <= 64 else CHUNK_LARGE_D
     NT = triton.cdiv(T, BT)
-    return dict(
+    return LaunchConfig(
         BT=BT, BD=BD, NT=NT,
         BV_sum=min(64, BD),  # summary: the weighted sum of v, a V-block at a time
         BV_out=min(128, BD),
@@ -55,8 +75,8 @@ class NonapproxChunkFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        cfg = _launch(D, T, q.dtype)
-        NT = cfg["NT"]
+        cfg = launch_config(D, T, q.dtype)
+        NT = cfg.NT
         scale = 1.0 / math.sqrt(D)
         f32 = dict(dtype=torch.float32, device=q.device)
         s = torch.empty(B, H, T, **f32)
@@ -64,7 +84,7 @@ class NonapproxChunkFunction(torch.autograd.Function):
         cnum = torch.empty(B, H, NT, D, **f32)
         nonapprox_fwd_summary_kernel[(NT, B * H)](
             q, k, v, s, cmax, cden, cnum, T, H, H_kv, G, D, NT, scale,
-            BT=cfg["BT"], BD=cfg["BD"], BV=cfg["BV_sum"], num_warps=cfg["warps"])
+            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_sum, num_warps=cfg.warps)
 
         imax, iden, inum = torch.empty_like(cmax), torch.empty_like(cden), torch.empty_like(cnum)
         has_state = max0 is not None
@@ -73,20 +93,20 @@ class NonapproxChunkFunction(torch.autograd.Function):
             fnum = torch.empty(B, H, D, **f32)
         else:  # unwritten (STORE_FINAL=False): any fp32 pointer will do, no allocation
             fmax, fden, fnum = cmax, cden, cnum
-        nonapprox_fwd_scan_kernel[(triton.cdiv(D, cfg["BV_scan"]), B * H)](
+        nonapprox_fwd_scan_kernel[(triton.cdiv(D, cfg.BV_scan), B * H)](
             cmax, cden, cnum,
             max0 if has_state else fmax, den0 if has_state else fden,
             num0 if has_state else fnum,
             imax, iden, inum, fmax, fden, fnum, D, NT,
-            NB=cfg["NB"], BV=cfg["BV_scan"], HAS_STATE=has_state,
+            NB=cfg.NB, BV=cfg.BV_scan, HAS_STATE=has_state,
             STORE_FINAL=bool(output_final_state), num_warps=4)
 
         o = torch.empty_like(q)
         lse = torch.empty(B, H, T, **f32)
-        nonapprox_fwd_out_kernel[(triton.cdiv(D, cfg["BV_out"]), NT, B * H)](
+        nonapprox_fwd_out_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
             v, s, imax, iden, inum, o, lse, T, H, H_kv, G, D, NT,
-            BT=cfg["BT"], BV=cfg["BV_out"], PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
-            num_warps=cfg["warps"])
+            BT=cfg.BT, BV=cfg.BV_out, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32,
+            num_warps=cfg.warps)
         ctx.save_for_backward(q, k, v, o, s, lse)
         ctx.cfg = cfg
         if not output_final_state:
@@ -101,24 +121,24 @@ class NonapproxChunkFunction(torch.autograd.Function):
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        NT = cfg["NT"]
+        NT = cfg.NT
         d_o = d_o.contiguous()
         f32 = dict(dtype=torch.float32, device=q.device)
         delta = torch.empty(B, H, T, **f32)
         cdo, cdelta = torch.empty(B, H, NT, D, **f32), torch.empty(B, H, NT, **f32)
         nonapprox_bwd_summary_kernel[(NT, B * H)](
             d_o, o, lse, delta, cdo, cdelta, T, H, D, NT,
-            BT=cfg["BT"], BD=cfg["BD"], num_warps=cfg["warps"])
+            BT=cfg.BT, BD=cfg.BD, num_warps=cfg.warps)
         ado, adelta = torch.empty_like(cdo), torch.empty_like(cdelta)
-        nonapprox_bwd_scan_kernel[(triton.cdiv(D, cfg["BV_scan"]), B * H)](
+        nonapprox_bwd_scan_kernel[(triton.cdiv(D, cfg.BV_scan), B * H)](
             lse, cdo, cdelta, ado, adelta, T, D, NT,
-            BT=cfg["BT"], NB=cfg["NB"], BV=cfg["BV_scan"], num_warps=4)
+            BT=cfg.BT, NB=cfg.NB, BV=cfg.BV_scan, num_warps=4)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         nonapprox_bwd_grad_kernel[(NT, B * H_kv)](
             q, k, v, d_o, s, lse, delta, ado, adelta, dq, dk, dv,
             T, H, H_kv, G, D, NT, 1.0 / math.sqrt(D),
-            BT=cfg["BT"], BD=cfg["BD"], PREC=cfg["PREC"], DOT_F32=cfg["DOT_F32"],
-            num_warps=cfg["warps"])
+            BT=cfg.BT, BD=cfg.BD, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32,
+            num_warps=cfg.warps)
         return dq, dk, dv, None, None, None, None
 
 

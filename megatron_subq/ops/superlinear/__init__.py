@@ -66,7 +66,7 @@ __all__ = ["superlinear_anchors", "superlinear_attention", "superlinear_attentio
 # ---------------------------------------------------------------------------------------------
 def _kernel():
     try:
-        from ..kernels.superlinear import superlinear_attention_kernel  # noqa: PLC0415
+        from ...kernels.superlinear import superlinear_attention_kernel  # noqa: PLC0415
     except ImportError:
         return None
     return superlinear_attention_kernel
@@ -97,7 +97,7 @@ def superlinear_attention(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2
 # and gives exactly rows [start, start + C) of the full forward.
 def _prefill_kernel():
     try:
-        from ..kernels.superlinear import superlinear_prefill_kernel  # noqa: PLC0415
+        from ...kernels.superlinear import superlinear_prefill_kernel  # noqa: PLC0415
     except ImportError:
         return None
     return superlinear_prefill_kernel
@@ -105,7 +105,7 @@ def _prefill_kernel():
 
 def _decode_kernel():
     try:
-        from ..kernels.superlinear import superlinear_decode_kernel  # noqa: PLC0415
+        from ...kernels.superlinear import superlinear_decode_kernel  # noqa: PLC0415
     except ImportError:
         return None
     return superlinear_decode_kernel
