@@ -202,9 +202,8 @@ def asa_fwd_out_kernel(
     p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
-    # a whole-chunk program (NB = 1) as straight-line code, blocks as a runtime loop: H100,
-    # 2026-11-22, T = 64K, BT = 128: one chunk as a one-trip loop 1028 µs (straight-line 651);
-    # two blocks of 64 rows looped 572 µs, unrolled with a runtime guard 681
+    # a whole-chunk program (NB = 1) as straight-line code, blocks as a runtime loop: the fastest
+    # form of each (docs/benchmarks.md)
     if NB == 1:
         num, den = _out_tile(num, den, qf, p_k, k_base, v_base, t0, t_stop, skt, svt, v_cols,
                              d_cols, D, DV, feat_mask, False, RB, NORM, PREC)
@@ -407,11 +406,9 @@ def asa_bwd_block_kernel(
     NV = 1 the key side reads each query block once for both dA and dv, otherwise dv takes a
     pass of its own per Dv block.
 
-    Why blocks of a chunk: a whole 128-token chunk per program held [128, ·] fp32
-    accumulators at 255 registers and spilled 1.7 KB (query side) and 5.1 KB (key side) per
-    thread (local sm_90 compile, ``tools/kernel_spills.py``); RB = 64 at 4 warps spills 0.4 and
-    3.1 KB, and the gradient step took 1864 µs instead of 2116 at T = 64K (H100, B = 1, H = 16,
-    d_h = 128, m = 64, bf16, 2026-11-22; 8 warps or RB = 32 were slower)."""
+    Why blocks of a chunk: a whole 128-token chunk per program holds [128, ·] fp32 accumulators
+    that spill registers (``tools/kernel_spills.py``); 64-row blocks at 4 warps spill far less
+    and run faster (docs/benchmarks.md)."""
     pid, pid_bh = tl.program_id(0), tl.program_id(1)
     NB: tl.constexpr = BT // RB
     c, own = pid // NB, pid % NB

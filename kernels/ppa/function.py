@@ -36,6 +36,7 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """PPA's tiles: block_m query rows x block_n keys per step, warps and pipelining stages."""
     block_m: int
     block_n: int
     num_warps: int

@@ -597,12 +597,8 @@ def mix_fwd_kernel(A, GATE, OUT, T, H, D, s_gb, s_gt, s_gh, s_ob, s_ot, s_oh,
     """grid (cdiv(T, BLOCK_M), B*H): the gated mixture OUT[b, t, h] = sum_slot GATE[b, t, h,
     slot] * A[b*h, t, slot] (A [B*H, T, TOPK, D], float32 or, in the forward-only prefill, the
     inputs' dtype; OUT [B, T, H, D] in its own dtype), in
-    one pass instead of broadcast products and a sum over fp32 tensors.
-
-    (A variant that also merged span and window here, writing the merged A back in place, was
-    faster by ≈ 0.7 ms at 32K but not deterministic on the H100: identical forward calls
-    differed by up to 0.04, also with CUDA_LAUNCH_BLOCKING=1; the cause was not found and the
-    merge stays in ``span_fwd_kernel``'s epilogue.)"""
+    one pass instead of broadcast products and a sum over fp32 tensors. (The span/window merge
+    stays in ``span_fwd_kernel``'s epilogue: merging here was not deterministic on the GPU.)"""
     b, h, offs_m, m_mask, offs_d, d_mask, md_mask, row = _row_tile(T, H, D, BLOCK_M, BLOCK_D)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for slot in tl.static_range(TOPK):

@@ -86,7 +86,7 @@ def topk_gate(q_s, k, sel_t, elementwise: bool, sel_s=None, cfg: Optional[Launch
     rows = t_idx * k.shape[2] + kv_head  # rows of k viewed as [B, TK*H_kv, D]
     # gathered from a float32 copy: the gather's backward scatter-adds every query's term into
     # its anchor keys' rows, which in bf16 would round at each add (and in whatever order the
-    # atomics land: a CUDA-graph replay then differed from eager by 3e-3 in dk on the H100)
+    # atomics land: a CUDA-graph replay would then differ from eager)
     k_sel = k.float().reshape(B, -1, D).gather(1, rows.reshape(B, -1, 1).expand(-1, -1, D))
     k_sel = k_sel.reshape(B, T, H, topk, D)
     if elementwise:

@@ -133,9 +133,8 @@ def span_window_backward(saved, up, up_strides, coef, delta, win_up, win_strides
     no_coef = lse  # any float32 tensor: not read without HAS_COEF
     coef_arg = no_coef if coef is None else coef
     win_coef_arg = no_coef if win_coef is None else win_coef
-    # the key-centric kernels' fp32 tiles (a test dtype) overflow shared memory at Triton's
-    # default 3 stages: the window's needs 263,680 B with its coefficient (H100: 232,448 B),
-    # 197,376 B at 2 (local sm_90 compile); the span's sorted form 231,424 B
+    # the key-centric kernels' fp32 tiles (a test dtype) overflow a GPU's shared memory at
+    # Triton's default 3 stages (the window's with its coefficient, the span's sorted form)
     dkdv_stages = 2 if q.dtype == torch.float32 else 3
 
     dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)

@@ -152,7 +152,7 @@ def nonapprox_attention_chunked(q, k, v, chunk_size: int = DEFAULT_CHUNK,
 # The op
 # ---------------------------------------------------------------------------------------------
 def _kernel():
-    """The Triton implementation (issue 6), or None when it (or triton) is missing. Its
+    """The Triton implementation, or None when it (or triton) is missing. Its
     signature: ``kernel(q, k, v, state=None, output_final_state=False)``."""
     try:
         from megatron_subq.kernels.nonapprox import nonapprox_attention_kernel  # noqa: PLC0415
