@@ -114,12 +114,10 @@ def scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
     chunk_scan_kernel[(triton.cdiv(L, cfg.scan_block), B * H)](
-        delta, out, init if init is not None else out, final,
-        chunks if chunks is not None else out, NT, L,
-        BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=init is not None,
-        STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg.scan_warps,
-        num_stages=cfg.scan_stages)
+        delta_ptr=delta, out_ptr=out, init_ptr=init if init is not None else out, final_ptr=final,
+        chunks_ptr=chunks if chunks is not None else out, NT=NT, L=L, BLOCK=cfg.scan_block,
+        UNROLL=cfg.scan_unroll, HAS_INIT=init is not None, STORE_FINAL=store_final, REVERSE=reverse,
+        VARLEN=chunks is not None, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages)
     return out, (final if store_final else None)
 
 
@@ -139,11 +137,10 @@ def scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, ch
                               device=dz.device)
     n_s = triton.cdiv(LS, cfg.scan_block)
     chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg.scan_block), B * H)](
-        delta, out, init if has_init else out, final,
-        dz, z_out, z_init if has_init else z_out, z_final,
-        chunks if chunks is not None else out, NT, LS, LZ, n_s,
-        BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=has_init,
-        STORE_FINAL=store_final,
-        REVERSE=reverse, VARLEN=chunks is not None, num_warps=cfg.scan_warps,
-        num_stages=cfg.scan_stages)
+        s_delta_ptr=delta, s_out_ptr=out, s_init_ptr=init if has_init else out, s_final_ptr=final,
+        z_delta_ptr=dz, z_out_ptr=z_out, z_init_ptr=z_init if has_init else z_out,
+        z_final_ptr=z_final, chunks_ptr=chunks if chunks is not None else out, NT=NT, LS=LS, LZ=LZ,
+        NBS=n_s, BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=has_init,
+        STORE_FINAL=store_final, REVERSE=reverse, VARLEN=chunks is not None,
+        num_warps=cfg.scan_warps, num_stages=cfg.scan_stages)
     return out, z_out, ((final, z_final) if store_final else None)

@@ -142,10 +142,9 @@ def _forward_states(k, v, state, cfg, store_final: bool):
         ds, dzv = _empty_states(B, H_kv, NT, D, k.dtype if half else torch.float32, dev)
         n_k, n_v = triton.cdiv(D, cfg.BK_delta), triton.cdiv(D, cfg.BV_delta)
         approx_fwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
-            k, v, ds, dzv, T, H_kv, D, NT, n_v, scale,
-            BT=cfg.BT, BK=cfg.BK_delta, BV=cfg.BV_delta, PREC=cfg.PREC,
-            DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
-            num_stages=cfg.delta_stages)
+            k_ptr=k, v_ptr=v, ds_ptr=ds, dzv_ptr=dzv, T=T, HKV=H_kv, D=D, NT=NT, NV=n_v,
+            scale=scale, BT=cfg.BT, BK=cfg.BK_delta, BV=cfg.BV_delta, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps, num_stages=cfg.delta_stages)
         s0, zv0 = state if state is not None else (None, None)
         return _scan_pair(ds, dzv, s0, zv0, cfg, False, store_final, None, cfg.state_dtype)
     s, zv = _empty_states(B, H_kv, NT, D, cfg.state_dtype, dev)
@@ -153,12 +152,14 @@ def _forward_states(k, v, state, cfg, store_final: bool):
     if store_final:
         final = (torch.empty(B, H_kv, 2, D, D, dtype=torch.float32, device=dev),
                  torch.empty(B, H_kv, 3, D, dtype=torch.float32, device=dev))
-    initial = state if state is not None else (s, zv)  # never read without a state
+    s0, zv0 = state if state is not None else (s, zv)  # never read without a state
+    s_final, zv_final = final or (s, zv)  # never written without store_final
     grid = (triton.cdiv(D, cfg.BK_state), triton.cdiv(D, cfg.BV_state), B * H_kv)
     approx_fwd_states_kernel[grid](
-        k, v, *initial, s, zv, *(final or (s, zv)), T, H_kv, D, NT, scale,
-        BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state, HAS_STATE=state is not None,
-        STORE_FINAL=store_final, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=4)
+        k_ptr=k, v_ptr=v, s0_ptr=s0, zv0_ptr=zv0, s_ptr=s, zv_ptr=zv, sf_ptr=s_final,
+        zvf_ptr=zv_final, T=T, HKV=H_kv, D=D, NT=NT, scale=scale, BT=cfg.BT, BK=cfg.BK_state,
+        BV=cfg.BV_state, HAS_STATE=state is not None, STORE_FINAL=store_final, PREC=cfg.PREC,
+        DOT_F32=cfg.DOT_F32, num_warps=4)
     return s, zv, final
 
 
@@ -173,17 +174,17 @@ def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: 
         ds, dzv = _empty_states(B, H_kv, NT, D, q.dtype if half else torch.float32, q.device)
         n_k, n_v = triton.cdiv(D, cfg.BK_delta), triton.cdiv(D, cfg.BV_delta)
         approx_bwd_delta_kernel[(n_k * n_v, NT, B * H_kv)](
-            q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, n_v, length0, scale, eps,
-            BT=cfg.BT, BK=cfg.BK_delta, BV=cfg.BV_delta, PREC=cfg.PREC,
-            DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
+            q_ptr=q, do_ptr=d_o, den_ptr=den, r_ptr=r, ds_ptr=ds, dzv_ptr=dzv, T=T, H=H, HKV=H_kv,
+            G=G, D=D, NT=NT, NV=n_v, L0=length0, scale=scale, eps=eps, BT=cfg.BT, BK=cfg.BK_delta,
+            BV=cfg.BV_delta, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
             num_stages=cfg.delta_stages)
         return _scan_pair(ds, dzv, None, None, cfg, True, False, None, cfg.state_dtype)[:2]
     ds, dzv = _empty_states(B, H_kv, NT, D, cfg.state_dtype, q.device)
     grid = (triton.cdiv(D, cfg.BK_state), triton.cdiv(D, cfg.BV_state), B * H_kv)
     approx_bwd_states_kernel[grid](
-        q, d_o, den, r, ds, dzv, T, H, H_kv, G, D, NT, length0, scale, eps,
-        BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state, PREC=cfg.PREC,
-        DOT_F32=cfg.DOT_F32, num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
+        q_ptr=q, do_ptr=d_o, den_ptr=den, r_ptr=r, ds_ptr=ds, dzv_ptr=dzv, T=T, H=H, HKV=H_kv, G=G,
+        D=D, NT=NT, L0=length0, scale=scale, eps=eps, BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state,
+        PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
     return ds, dzv
 
 
@@ -207,10 +208,10 @@ class ApproxChunkFunction(torch.autograd.Function):
         o2 = torch.empty_like(o1)
         den = torch.empty(B, H, 2, T, dtype=torch.float32, device=q.device)
         approx_fwd_out_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
-            q, k, v, s, zv, o, o1, o2, den,
-            T, H, H_kv, G, D, NT, length0, D ** -0.25, eps,
-            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
-            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
+            q_ptr=q, k_ptr=k, v_ptr=v, s_ptr=s, zv_ptr=zv, o_ptr=o, o1_ptr=o1, o2_ptr=o2,
+            den_ptr=den, T=T, H=H, HKV=H_kv, G=G, D=D, NT=NT, L0=length0, scale=D ** -0.25, eps=eps,
+            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32,
+            num_warps=cfg.warps)
         kept = (s, zv) if cfg.keep_states else (None, None)
         initial = state if state is not None else (None, None)
         ctx.save_for_backward(q, k, v, o1, o2, den, *initial, *kept)
@@ -239,8 +240,8 @@ class ApproxChunkFunction(torch.autograd.Function):
         scale = D ** -0.25
         r = torch.empty_like(den)
         approx_bwd_prep_kernel[(NT, B * H)](
-            d_o, o1, o2, den, r, T, H, D, eps, BT=cfg.BT, BD=cfg.BD,
-            num_warps=cfg.warps)
+            do_ptr=d_o, o1_ptr=o1, o2_ptr=o2, den_ptr=den, r_ptr=r, T=T, H=H, D=D, eps=eps,
+            BT=cfg.BT, BD=cfg.BD, num_warps=cfg.warps)
         ds, dzv = _reverse_states(q, d_o, den, r, cfg, H_kv, NT, length0, eps)
         # dk, dv per query head, summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
@@ -250,13 +251,15 @@ class ApproxChunkFunction(torch.autograd.Function):
         common = dict(BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
                       DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         approx_bwd_dq_kernel[(NT, B * H)](
-            q, k, v, d_o, den, r, s, zv, dq, T, H, H_kv, G, D, NT, scale, eps, **common)
+            q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=d_o, den_ptr=den, r_ptr=r, s_ptr=s, zv_ptr=zv,
+            dq_ptr=dq, T=T, H=H, HKV=H_kv, G=G, D=D, NT=NT, scale=scale, eps=eps, **common)
         approx_bwd_dk_kernel[(NT, B * H)](
-            q, k, v, d_o, den, r, ds, dzv, dk_h, T, H, H_kv, G, D, NT, scale, eps, **common)
+            q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=d_o, den_ptr=den, r_ptr=r, ds_ptr=ds, dzv_ptr=dzv,
+            dk_ptr=dk_h, T=T, H=H, HKV=H_kv, G=G, D=D, NT=NT, scale=scale, eps=eps, **common)
         approx_bwd_dv_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
-            q, k, d_o, den, ds, dzv, dv_h, T, H, H_kv, G, D, NT, length0, scale, eps,
-            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_out, PREC=cfg.PREC,
-            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
+            q_ptr=q, k_ptr=k, do_ptr=d_o, den_ptr=den, ds_ptr=ds, dzv_ptr=dzv, dv_ptr=dv_h, T=T,
+            H=H, HKV=H_kv, G=G, D=D, NT=NT, L0=length0, scale=scale, eps=eps, BT=cfg.BT, BD=cfg.BD,
+            BV=cfg.BV_out, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, D).sum(dim=3).to(v.dtype)

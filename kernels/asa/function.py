@@ -185,9 +185,10 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
     asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg.BV_delta), B * H)](
-        x, p, y, den, r, delta, dz, chunks if chunks is not None else delta, T, H, G, D, m, Dv,
-        NT, x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_delta, BACKWARD=backward,
+        x_ptr=x, p_ptr=p, y_ptr=y, den_ptr=den, r_ptr=r, delta_ptr=delta, dz_ptr=dz,
+        chunks_ptr=chunks if chunks is not None else delta, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
+        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), syb=y.stride(0), syt=y.stride(1),
+        syh=y.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_delta, BACKWARD=backward,
         NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.delta_warps,
         num_stages=cfg.stages)
     return delta, dz
@@ -219,12 +220,12 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     has_s0 = s0 is not None
     grid = (triton.cdiv(Dv, cfg.BV_state), B * H)
     asa_fwd_states_kernel[grid](
-        k, v, p_k, s0 if has_s0 else states, z0 if has_s0 else zs, states, zs, s_final, z_final,
-        T, H, G, D, m, Dv, NT,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state,
-        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg.PREC,
-        num_warps=cfg.state_warps, num_stages=cfg.stages)
+        k_ptr=k, v_ptr=v, pk_ptr=p_k, s0_ptr=s0 if has_s0 else states, z0_ptr=z0 if has_s0 else zs,
+        states_ptr=states, zs_ptr=zs, st_ptr=s_final, zt_ptr=z_final, T=T, H=H, G=G, D=D, M=m,
+        DV=Dv, NT=NT, skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0),
+        svt=v.stride(1), svh=v.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state,
+        HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg.PREC, num_warps=cfg.state_warps,
+        num_stages=cfg.stages)
     return states, zs, (s_final, z_final) if store_final else None
 
 
@@ -243,10 +244,10 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
     dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
     asa_bwd_states_kernel[(triton.cdiv(Dv, cfg.BV_state), B * H)](
-        q, p_q, d_o, den, r, dstates, dzs,
-        T, H, D, m, Dv, NT, q.stride(0), q.stride(1), q.stride(2),
-        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state, NORM=norm,
-        PREC=cfg.PREC, num_warps=cfg.state_warps, num_stages=cfg.stages)
+        q_ptr=q, pq_ptr=p_q, do_ptr=d_o, den_ptr=den, r_ptr=r, dstates_ptr=dstates, dzs_ptr=dzs,
+        T=T, H=H, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
+        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state, NORM=norm, PREC=cfg.PREC,
+        num_warps=cfg.state_warps, num_stages=cfg.stages)
     return dstates, dzs
 
 
@@ -255,7 +256,8 @@ def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
     B, T, H, Dv = o.shape
     r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
     asa_bwd_r_kernel[(triton.cdiv(T, cfg.BT), B * H)](
-        d_o, o, den, r, T, H, Dv, BT=cfg.BT, BV=_pow2(Dv), num_warps=4)
+        do_ptr=d_o, o_ptr=o, den_ptr=den, r_ptr=r, T=T, H=H, DV=Dv, BT=cfg.BT, BV=_pow2(Dv),
+        num_warps=4)
     return r
 
 
@@ -276,9 +278,9 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     n_groups = triton.cdiv(NT, cpg)
     part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
     asa_bwd_dp_kernel[(n_groups, B * H)](
-        x, dl, part, T, H, G, D, m, NT, cpg, x.stride(0), x.stride(1), x.stride(2),
-        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, PREC=cfg.PREC,
-        num_warps=cfg.dp_warps, num_stages=cfg.stages)
+        x_ptr=x, dl_ptr=dl, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m, NT=NT, CPG=cpg,
+        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM,
+        PREC=cfg.PREC, num_warps=cfg.dp_warps, num_stages=cfg.stages)
     return part.sum(dim=(0, 1))
 
 
@@ -310,15 +312,13 @@ class ASAChunkFunction(torch.autograd.Function):
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         grid = (NT * (cfg.BT // cfg.out_rows), triton.cdiv(Dv, cfg.BV_out), B * H)
         asa_fwd_out_kernel[grid](
-            q, k, v, p_q, p_k, states, zs, den if seen is None else seen, o, den,
-            chunks if chunks is not None else den,
-            T, H, G, D, m, Dv, NT,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out,
-            NORM=norm,
-            PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.out_warps,
-            num_stages=cfg.stages)
+            q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, states_ptr=states, zs_ptr=zs,
+            seen_ptr=den if seen is None else seen, o_ptr=o, den_ptr=den,
+            chunks_ptr=chunks if chunks is not None else den, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
+            sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), skb=k.stride(0), skt=k.stride(1),
+            skh=k.stride(2), svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), BT=cfg.BT,
+            RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out, NORM=norm, PREC=cfg.PREC,
+            VARLEN=chunks is not None, num_warps=cfg.out_warps, num_stages=cfg.stages)
         kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
@@ -359,12 +359,12 @@ class ASAChunkFunction(torch.autograd.Function):
         rows = cfg.bwd_rows
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
             asa_bwd_block_kernel[(NT * (cfg.BT // rows), B * H)](
-                q, k, v, p_q, p_k, d_o, den, r, states, zs, dstates, dzs,
-                dx, dv_h, dl, chunks if chunks is not None else den,
-                T, H, G, D, m, Dv, NT,
-                q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                v.stride(0), v.stride(1), v.stride(2),
-                BT=cfg.BT, RB=rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_bwd,
+                q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, do_ptr=d_o, den_ptr=den, r_ptr=r,
+                states_ptr=states, zs_ptr=zs, dstates_ptr=dstates, dzs_ptr=dzs, dx_ptr=dx,
+                dv_ptr=dv_h, dl_ptr=dl, chunks_ptr=chunks if chunks is not None else den, T=T, H=H,
+                G=G, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
+                skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0), svt=v.stride(1),
+                svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_bwd,
                 NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
                 VARLEN=chunks is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if G > 1:

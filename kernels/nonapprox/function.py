@@ -83,8 +83,9 @@ class NonapproxChunkFunction(torch.autograd.Function):
         cmax, cden = torch.empty(B, H, NT, **f32), torch.empty(B, H, NT, **f32)
         cnum = torch.empty(B, H, NT, D, **f32)
         nonapprox_fwd_summary_kernel[(NT, B * H)](
-            q, k, v, s, cmax, cden, cnum, T, H, H_kv, G, D, NT, scale,
-            BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_sum, num_warps=cfg.warps)
+            q_ptr=q, k_ptr=k, v_ptr=v, s_ptr=s, cmax_ptr=cmax, cden_ptr=cden, cnum_ptr=cnum, T=T,
+            H=H, HKV=H_kv, G=G, D=D, NT=NT, scale=scale, BT=cfg.BT, BD=cfg.BD, BV=cfg.BV_sum,
+            num_warps=cfg.warps)
 
         imax, iden, inum = torch.empty_like(cmax), torch.empty_like(cden), torch.empty_like(cnum)
         has_state = max0 is not None
@@ -94,19 +95,18 @@ class NonapproxChunkFunction(torch.autograd.Function):
         else:  # unwritten (STORE_FINAL=False): any fp32 pointer will do, no allocation
             fmax, fden, fnum = cmax, cden, cnum
         nonapprox_fwd_scan_kernel[(triton.cdiv(D, cfg.BV_scan), B * H)](
-            cmax, cden, cnum,
-            max0 if has_state else fmax, den0 if has_state else fden,
-            num0 if has_state else fnum,
-            imax, iden, inum, fmax, fden, fnum, D, NT,
-            NB=cfg.NB, BV=cfg.BV_scan, HAS_STATE=has_state,
+            cmax_ptr=cmax, cden_ptr=cden, cnum_ptr=cnum, max0_ptr=max0 if has_state else fmax,
+            den0_ptr=den0 if has_state else fden, num0_ptr=num0 if has_state else fnum,
+            imax_ptr=imax, iden_ptr=iden, inum_ptr=inum, fmax_ptr=fmax, fden_ptr=fden,
+            fnum_ptr=fnum, D=D, NT=NT, NB=cfg.NB, BV=cfg.BV_scan, HAS_STATE=has_state,
             STORE_FINAL=bool(output_final_state), num_warps=4)
 
         o = torch.empty_like(q)
         lse = torch.empty(B, H, T, **f32)
         nonapprox_fwd_out_kernel[(triton.cdiv(D, cfg.BV_out), NT, B * H)](
-            v, s, imax, iden, inum, o, lse, T, H, H_kv, G, D, NT,
-            BT=cfg.BT, BV=cfg.BV_out, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32,
-            num_warps=cfg.warps)
+            v_ptr=v, s_ptr=s, imax_ptr=imax, iden_ptr=iden, inum_ptr=inum, o_ptr=o, lse_ptr=lse,
+            T=T, H=H, HKV=H_kv, G=G, D=D, NT=NT, BT=cfg.BT, BV=cfg.BV_out, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         ctx.save_for_backward(q, k, v, o, s, lse)
         ctx.cfg = cfg
         if not output_final_state:
@@ -127,18 +127,18 @@ class NonapproxChunkFunction(torch.autograd.Function):
         delta = torch.empty(B, H, T, **f32)
         cdo, cdelta = torch.empty(B, H, NT, D, **f32), torch.empty(B, H, NT, **f32)
         nonapprox_bwd_summary_kernel[(NT, B * H)](
-            d_o, o, lse, delta, cdo, cdelta, T, H, D, NT,
-            BT=cfg.BT, BD=cfg.BD, num_warps=cfg.warps)
+            do_ptr=d_o, o_ptr=o, lse_ptr=lse, delta_ptr=delta, cdo_ptr=cdo, cdelta_ptr=cdelta, T=T,
+            H=H, D=D, NT=NT, BT=cfg.BT, BD=cfg.BD, num_warps=cfg.warps)
         ado, adelta = torch.empty_like(cdo), torch.empty_like(cdelta)
         nonapprox_bwd_scan_kernel[(triton.cdiv(D, cfg.BV_scan), B * H)](
-            lse, cdo, cdelta, ado, adelta, T, D, NT,
-            BT=cfg.BT, NB=cfg.NB, BV=cfg.BV_scan, num_warps=4)
+            lse_ptr=lse, cdo_ptr=cdo, cdelta_ptr=cdelta, ado_ptr=ado, adelta_ptr=adelta, T=T, D=D,
+            NT=NT, BT=cfg.BT, NB=cfg.NB, BV=cfg.BV_scan, num_warps=4)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         nonapprox_bwd_grad_kernel[(NT, B * H_kv)](
-            q, k, v, d_o, s, lse, delta, ado, adelta, dq, dk, dv,
-            T, H, H_kv, G, D, NT, 1.0 / math.sqrt(D),
-            BT=cfg.BT, BD=cfg.BD, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32,
-            num_warps=cfg.warps)
+            q_ptr=q, k_ptr=k, v_ptr=v, do_ptr=d_o, s_ptr=s, lse_ptr=lse, delta_ptr=delta,
+            ado_ptr=ado, adelta_ptr=adelta, dq_ptr=dq, dk_ptr=dk, dv_ptr=dv, T=T, H=H, HKV=H_kv,
+            G=G, D=D, NT=NT, scale=1.0 / math.sqrt(D), BT=cfg.BT, BD=cfg.BD, PREC=cfg.PREC,
+            DOT_F32=cfg.DOT_F32, num_warps=cfg.warps)
         return dq, dk, dv, None, None, None, None
 
 

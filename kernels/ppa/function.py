@@ -124,8 +124,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _strides(x: torch.Tensor) -> Tuple[int, int, int]:
-    return x.stride(0), x.stride(1), x.stride(2)
+def _strides(x: torch.Tensor, name: str) -> Dict[str, int]:
+    """x's (b, t, h) strides as the kernels' keyword arguments ``stride_<name>b/t/h``."""
+    return {f"stride_{name}b": x.stride(0), f"stride_{name}t": x.stride(1),
+            f"stride_{name}h": x.stride(2)}
 
 
 class PPAFunction(torch.autograd.Function):
@@ -150,9 +152,10 @@ class PPAFunction(torch.autograd.Function):
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if T > 0:
             ppa_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-                q, k, v, o, lse, plan.attended, plan.far, plan.far_count_q, seq_start,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                T, H, G, scale * LOG2E, plan.dense_reach, **common)
+                Q=q, K=k, V=v, O=o, LSE=lse, ATTENDED=plan.attended, FAR=plan.far,
+                FAR_COUNT=plan.far_count_q, SEQ_START=seq_start, **_strides(q, "q"),
+                **_strides(k, "k"), **_strides(v, "v"), **_strides(o, "o"), T=T, H=H, G=G,
+                qk_scale=scale * LOG2E, dense_reach=plan.dense_reach, **common)
         ctx.save_for_backward(q, k, v, o, lse, seq_start, seq_end)
         ctx.plan, ctx.scale, ctx.common, ctx.cfg = plan, scale, common, cfg
         return o
@@ -170,15 +173,17 @@ class PPAFunction(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         if T > 0:
             ppa_bwd_dq_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-                q, k, v, d_out, dq, lse, delta, plan.attended, plan.far, plan.far_count_q,
-                seq_start,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(dq),
-                T, H, G, scale * LOG2E, scale, plan.dense_reach, **common)
+                Q=q, K=k, V=v, DO=d_out, DQ=dq, LSE=lse, DELTA=delta, ATTENDED=plan.attended,
+                FAR=plan.far, FAR_COUNT=plan.far_count_q, SEQ_START=seq_start, **_strides(q, "q"),
+                **_strides(k, "k"), **_strides(v, "v"), **_strides(d_out, "do"),
+                **_strides(dq, "dq"), T=T, H=H, G=G, qk_scale=scale * LOG2E, scale=scale,
+                dense_reach=plan.dense_reach, **common)
             ppa_bwd_dkdv_kernel[(triton.cdiv(T, cfg.block_n), B * H_kv)](
-                q, k, v, d_out, dk, dv, lse, delta, plan.attended, plan.far, plan.far_count_k,
-                seq_end,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(d_out), *_strides(dk),
-                *_strides(dv), T, H, G, scale * LOG2E, scale, plan.dense_reach, **common)
+                Q=q, K=k, V=v, DO=d_out, DK=dk, DV=dv, LSE=lse, DELTA=delta,
+                ATTENDED=plan.attended, FAR=plan.far, FAR_COUNT=plan.far_count_k, SEQ_END=seq_end,
+                **_strides(q, "q"), **_strides(k, "k"), **_strides(v, "v"),
+                **_strides(d_out, "do"), **_strides(dk, "dk"), **_strides(dv, "dv"), T=T, H=H,
+                G=G, qk_scale=scale * LOG2E, scale=scale, dense_reach=plan.dense_reach, **common)
         return dq, dk, dv, None, None, None, None, None, None
 
 

@@ -266,22 +266,25 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
     if n_cand > 0:
         block_a = 64 if not triton_interpreting() else 16
         decode_search_kernel[(triton.cdiv(n_cand, block_a), B * H_kv)](
-            q_s, k, offsets, scores, pos, n_cand, a_stride, H, H // H_kv, D,
-            q_s.stride(0), q_s.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4)
+            QS=q_s, K=k, OFF=offsets, SCORES=scores, POS=pos, A=n_cand, A_STRIDE=a_stride, H=H,
+            GROUP=H // H_kv, D=D, s_qb=q_s.stride(0), s_qh=q_s.stride(1), s_kb=k.stride(0),
+            s_kt=k.stride(1), s_kh=k.stride(2), BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4)
     part_m = torch.empty(B * H, n_part, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
     part_o = torch.empty(B * H, n_part, D, dtype=torch.float32, device=dev)
     sel_s = torch.empty(B * H, topk, dtype=torch.float32, device=dev)
     decode_attend_kernel[(n_part, B * H)](
-        q, k, v, scores, offsets, part_m, part_l, part_o, sel_s,
-        pos, n_cand, a_stride, H, H // H_kv, D, geo["win_lo"], geo["back"], geo["fwd"], n_win,
-        n_span, n_part, 1.0 / math.sqrt(D), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), TOPK=topk, BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk,
-        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        Q=q, K=k, V=v, SCORES=scores, OFF=offsets, PART_M=part_m, PART_L=part_l, PART_O=part_o,
+        SEL_S=sel_s, POS=pos, A=n_cand, A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D,
+        WIN_LO=geo["win_lo"], BACK=geo["back"], FWD=geo["fwd"], N_WIN=n_win, N_SPAN=n_span,
+        NPART=n_part, scale=1.0 / math.sqrt(D), s_qb=q.stride(0), s_qh=q.stride(1),
+        s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=topk,
+        BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
+        BLOCK_D=block_d, num_warps=4)
     out = torch.empty(B, H, D, dtype=out_dtype, device=dev)
     decode_combine_kernel[(B * H,)](
-        part_m, part_l, part_o, sel_s, out, H, D, n_win, n_span, n_part, out.stride(0),
-        out.stride(1), TOPK=topk, TOPK_PAD=max(2, triton.next_power_of_2(topk)),
-        BLOCK_P=16 if triton_interpreting() else 32, BLOCK_D=block_d, num_warps=4)
+        PART_M=part_m, PART_L=part_l, PART_O=part_o, SEL_S=sel_s, O=out, H=H, D=D, N_WIN=n_win,
+        N_SPAN=n_span, NPART=n_part, s_ob=out.stride(0), s_oh=out.stride(1), TOPK=topk,
+        TOPK_PAD=max(2, triton.next_power_of_2(topk)), BLOCK_P=16 if triton_interpreting() else 32,
+        BLOCK_D=block_d, num_warps=4)
     return out

@@ -129,10 +129,11 @@ class SuperlinearMixFunction(torch.autograd.Function):
         gamma = torch.empty(B * H, T, dtype=torch.float32, device=dev)
         delta_w = torch.empty_like(gamma)
         mix_bwd_kernel[(triton.cdiv(T, cfg.rows), B * H)](
-            a, gate, d_out, lse, lse_w, d_gate, coef, delta, gamma, delta_w, T, H, D,
-            gate.stride(0), gate.stride(1), gate.stride(2),
-            d_out.stride(0), d_out.stride(1), d_out.stride(2), TOPK=topk, BLOCK_M=cfg.rows,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
+            A=a, GATE=gate, DO=d_out, LSE=lse, LSE_W=lse_w, DGATE=d_gate, COEF=coef, DELTA=delta,
+            GAMMA=gamma, DELTA_W=delta_w, T=T, H=H, D=D, s_gb=gate.stride(0), s_gt=gate.stride(1),
+            s_gh=gate.stride(2), s_ob=d_out.stride(0), s_ot=d_out.stride(1), s_oh=d_out.stride(2),
+            TOPK=topk, BLOCK_M=cfg.rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            num_warps=cfg.num_warps)
         do_strides = (d_out.stride(0), d_out.stride(1), d_out.stride(2))
         dq, dk, dv = span_window_backward(
             (q, k, v, order, lo_f, hi_f, lse, lse_w), d_out, do_strides + (0,), coef, delta,
@@ -153,9 +154,9 @@ def _attend_and_mix(q, k, v, gate, lo, hi, window: int, cfg: LaunchConfig, optio
     D = a.shape[-1]
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=a.device)
     mix_fwd_kernel[(triton.cdiv(T, cfg.rows), B * H)](
-        a, gate, out, T, H, D, gate.stride(0), gate.stride(1), gate.stride(2),
-        out.stride(0), out.stride(1), out.stride(2), TOPK=topk, BLOCK_M=cfg.rows,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
+        A=a, GATE=gate, OUT=out, T=T, H=H, D=D, s_gb=gate.stride(0), s_gt=gate.stride(1),
+        s_gh=gate.stride(2), s_ob=out.stride(0), s_ot=out.stride(1), s_oh=out.stride(2), TOPK=topk,
+        BLOCK_M=cfg.rows, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=cfg.num_warps)
     return a, order, lo_f, hi_f, lse.contiguous(), lse_w, out
 
 

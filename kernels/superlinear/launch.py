@@ -116,7 +116,9 @@ def precision(dtype: torch.dtype) -> str:
 
 def attention_args(q, k):
     """What every attention kernel launch takes from q [B, T, H, D] and k: the softmax scale,
-    the padded head dim, the dot precision, and q's and k's (b, t, h) strides (v shares k's)."""
+    the padded head dim, the dot precision, and q's and k's (b, t, h) strides (v shares k's)
+    as the kernels' keyword arguments ``s_qb`` … ``s_kh``."""
     D = q.shape[-1]
-    return (1.0 / math.sqrt(D), max(16, triton.next_power_of_2(D)), precision(q.dtype),
-            (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2)))
+    strides = dict(s_qb=q.stride(0), s_qt=q.stride(1), s_qh=q.stride(2), s_kb=k.stride(0),
+                   s_kt=k.stride(1), s_kh=k.stride(2))
+    return 1.0 / math.sqrt(D), max(16, triton.next_power_of_2(D)), precision(q.dtype), strides

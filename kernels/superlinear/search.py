@@ -27,18 +27,19 @@ def search_topk(q_s: torch.Tensor, k: torch.Tensor, offsets: torch.Tensor, topk:
     group = H // H_kv
     sel_t = torch.empty(B, H, T, topk, dtype=torch.int32, device=q_s.device)
     sel_s = torch.empty(B, H, T, topk, dtype=torch.float32, device=q_s.device)
-    args = (q_s, k, offsets, sel_t, sel_s, T, start, offsets.numel(), H, group, D,
-            q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2))
+    args = dict(QS=q_s, K=k, OFF=offsets, SEL_T=sel_t, SEL_S=sel_s, T=T, Q0=start,
+                A=offsets.numel(), H=H, GROUP=group, D=D, s_qb=q_s.stride(0), s_qt=q_s.stride(1),
+                s_qh=q_s.stride(2), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2))
     block_d = max(16, triton.next_power_of_2(D))
     topk_pad = max(2, triton.next_power_of_2(topk))
     if grouped and group >= min_group:
         search_topk_group_kernel[(T, B * H_kv)](
-            *args, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_A=cfg.search_anchors,
+            **args, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_A=cfg.search_anchors,
             BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad, PRECISION=precision(q_s.dtype),
             num_warps=4)
     else:
         search_topk_kernel[(triton.cdiv(T, cfg.rows), B * H)](
-            *args, BLOCK_M=cfg.rows, BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad,
+            **args, BLOCK_M=cfg.rows, BLOCK_D=block_d, TOPK=topk, TOPK_PAD=topk_pad,
             num_warps=cfg.num_warps)
     return sel_t, sel_s
 
@@ -63,10 +64,11 @@ class KeptScoresFunction(torch.autograd.Function):
         dq_s = torch.empty(B, T, H, D, dtype=torch.float32, device=q_s.device)
         dk = torch.zeros(B, TK, H_kv, D, dtype=torch.float32, device=q_s.device)
         gate_bwd_kernel[(triton.cdiv(T, ctx.cfg.rows), B * H)](
-            q_s, k, sel_t, d_scores, dq_s, dk, T, TK, H, H // H_kv, D,
-            q_s.stride(0), q_s.stride(1), q_s.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            TOPK=sel_t.shape[-1], BLOCK_M=ctx.cfg.rows,
-            BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=ctx.cfg.num_warps)
+            QS=q_s, K=k, SEL_T=sel_t, DS=d_scores, DQS=dq_s, DK=dk, T=T, TK=TK, H=H,
+            GROUP=H // H_kv, D=D, s_qb=q_s.stride(0), s_qt=q_s.stride(1), s_qh=q_s.stride(2),
+            s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=sel_t.shape[-1],
+            BLOCK_M=ctx.cfg.rows, BLOCK_D=max(16, triton.next_power_of_2(D)),
+            num_warps=ctx.cfg.num_warps)
         return dq_s.to(q_s.dtype), dk.to(k.dtype), None, None, None
 
 

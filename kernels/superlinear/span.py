@@ -58,9 +58,9 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
         o_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
         lse_w = torch.empty(B * H, T, dtype=torch.float32, device=dev)
         window_fwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-            q, k, v, o_w, lse_w, T, start, TK, H, H // H_kv, D, window, scale, *strides,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, PRECISION=prec,
-            num_warps=cfg.num_warps)
+            Q=q, K=k, V=v, O=o_w, LSE=lse_w, T=T, Q0=start, TK=TK, H=H, GROUP=H // H_kv, D=D,
+            W=window, scale=scale, **strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.fwd_n,
+            BLOCK_D=block_d, PRECISION=prec, num_warps=cfg.num_warps)
 
     lo_f, hi_f = lo.reshape(B * H, P).contiguous(), hi.reshape(B * H, P).contiguous()
     order = torch.sort(lo_f, dim=1, stable=True).indices.to(torch.int32).contiguous()
@@ -68,9 +68,10 @@ def span_attention_forward(q, k, v, lo, hi, window: int, cfg: LaunchConfig, star
     lse_s = torch.empty(B * H, P, dtype=torch.float32, device=dev)
     # the span kernel's key bound is TK (its pairs index query rows, lo/hi are key positions)
     span_fwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-        q, k, v, order, lo_f, hi_f, o_s, lse_s, o_w, lse_w, TK, P, H, H // H_kv, D, scale,
-        *strides, TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.fwd_n, BLOCK_D=block_d,
-        PRECISION=prec, MERGE=fused_merge, num_warps=cfg.num_warps)
+        Q=q, K=k, V=v, ORDER=order, LO=lo_f, HI=hi_f, O=o_s, LSE=lse_s, O_W=o_w, LSE_W=lse_w, T=TK,
+        P=P, H=H, GROUP=H // H_kv, D=D, scale=scale, **strides, TOPK=topk, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.fwd_n, BLOCK_D=block_d, PRECISION=prec, MERGE=fused_merge,
+        num_warps=cfg.num_warps)
     if fused_merge:  # o_s, lse_s already hold the merged output and lse
         return (o_s.view(B * H, T, topk, D), order, lo_f, hi_f, lse_s.view(B * H, T, topk),
                 lse_w, o_w)
@@ -139,11 +140,11 @@ def span_window_backward(saved, up, up_strides, coef, delta, win_up, win_strides
 
     dq_pairs = torch.empty(B * H, P, D, dtype=torch.float32, device=dev)
     span_bwd_kernel[(triton.cdiv(P, cfg.block_m), B * H)](
-        q, k, v, order, lo_f, hi_f, up, coef_arg, lse, delta, dq_pairs,
-        dk, dv, T, P, H, H // H_kv, D, scale, *strides, *up_strides,
-        TOPK=topk, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        PRECISION=prec, ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None,
-        num_warps=cfg.num_warps)
+        Q=q, K=k, V=v, ORDER=order, LO=lo_f, HI=hi_f, DA=up, COEF=coef_arg, LSE=lse, DELTA=delta,
+        DQ=dq_pairs, DK=dk, DV=dv, T=T, P=P, H=H, GROUP=H // H_kv, D=D, scale=scale, **strides,
+        s_ob=up_strides[0], s_ot=up_strides[1], s_oh=up_strides[2], s_os=up_strides[3], TOPK=topk,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec,
+        ATOMIC_KV=not options["span_dkdv"], HAS_COEF=coef is not None, num_warps=cfg.num_warps)
     if options["span_dkdv"]:
         pairs = (q, order, lo_f, hi_f, up, coef_arg, lse, delta)
         if options["sorted_pairs"]:  # the pairs' rows in the sorted order (see the kernel)
@@ -154,27 +155,31 @@ def span_window_backward(saved, up, up_strides, coef, delta, win_up, win_strides
                                       presorted=options["sorted_pairs"])
         n_kb = first.shape[1]
         span_bwd_dkdv_kernel[(n_kb, B * H_kv)](
-            pairs[0], k, v, *pairs[1:], first, end, dk, dv, T, P, H, H // H_kv, D, n_kb,
-            scale, *strides, *up_strides, TOPK=topk, BLOCK_M=cfg.kv_m, BLOCK_N=cfg.span_kv_n,
-            BLOCK_D=block_d, PRECISION=prec, HAS_COEF=coef is not None,
-            SORTED=options["sorted_pairs"], num_warps=cfg.num_warps, num_stages=dkdv_stages)
+            Q=pairs[0], K=k, V=v, ORDER=pairs[1], LO=pairs[2], HI=pairs[3], DA=pairs[4],
+            COEF=pairs[5], LSE=pairs[6], DELTA=pairs[7], TILE_FIRST=first, TILE_END=end, DK=dk,
+            DV=dv, T=T, P=P, H=H, GROUP=H // H_kv, D=D, NKB=n_kb, scale=scale, **strides,
+            s_ob=up_strides[0], s_ot=up_strides[1], s_oh=up_strides[2], s_os=up_strides[3],
+            TOPK=topk, BLOCK_M=cfg.kv_m, BLOCK_N=cfg.span_kv_n, BLOCK_D=block_d, PRECISION=prec,
+            HAS_COEF=coef is not None, SORTED=options["sorted_pairs"], num_warps=cfg.num_warps,
+            num_stages=dkdv_stages)
     dq = dq_pairs.view(B * H, T, topk, D).sum(2)
 
     if window > 0:
         dq_w = torch.empty(B * H, T, D, dtype=torch.float32, device=dev)
         key_centric = options["window_dkdv"]
         window_bwd_kernel[(triton.cdiv(T, cfg.block_m), B * H)](
-            q, k, v, win_up, win_coef_arg, lse_w, delta_w, dq_w, dk, dv, T, H, H // H_kv, D,
-            window, scale, *strides, *win_strides, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_D=block_d, PRECISION=prec, ATOMIC_KV=not key_centric,
+            Q=q, K=k, V=v, DO=win_up, COEF=win_coef_arg, LSE=lse_w, DELTA=delta_w, DQ=dq_w, DK=dk,
+            DV=dv, T=T, H=H, GROUP=H // H_kv, D=D, W=window, scale=scale, **strides,
+            s_ob=win_strides[0], s_ot=win_strides[1], s_oh=win_strides[2], BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_D=block_d, PRECISION=prec, ATOMIC_KV=not key_centric,
             HAS_COEF=win_coef is not None, num_warps=cfg.num_warps)
         if key_centric:  # after the span kernel: dk, dv hold its sums, this adds the window's
             window_bwd_dkdv_kernel[(triton.cdiv(T, cfg.window_kv_n), B * H_kv)](
-                q, k, v, win_up, win_coef_arg, lse_w, delta_w, dk, dv, T, H, H // H_kv, D,
-                window, scale, *strides, *win_strides, BLOCK_M=cfg.kv_m,
+                Q=q, K=k, V=v, DO=win_up, COEF=win_coef_arg, LSE=lse_w, DELTA=delta_w, DK=dk, DV=dv,
+                T=T, H=H, GROUP=H // H_kv, D=D, W=window, scale=scale, **strides,
+                s_ob=win_strides[0], s_ot=win_strides[1], s_oh=win_strides[2], BLOCK_M=cfg.kv_m,
                 BLOCK_N=cfg.window_kv_n, BLOCK_D=block_d, PRECISION=prec,
-                HAS_COEF=win_coef is not None, num_warps=cfg.num_warps,
-                num_stages=dkdv_stages)
+                HAS_COEF=win_coef is not None, num_warps=cfg.num_warps, num_stages=dkdv_stages)
         dq = dq + dq_w
     return dq.view(B, H, T, D).transpose(1, 2).to(q.dtype), dk, dv
 
@@ -189,14 +194,16 @@ def _sorted_pairs(q, order, lo_f, hi_f, up, up_strides, coef, lse, delta, cfg: L
     grid = (triton.cdiv(P, cfg.rows), BH)
     block_d = max(16, triton.next_power_of_2(D))
     q_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
-    sort_pairs_kernel[grid](q, lse, order, q_s, P, H, D, q.stride(0), q.stride(1), q.stride(2),
-                            0, TOPK=P // T, BLOCK_M=cfg.rows, BLOCK_D=block_d,
-                            HAS_COEF=False, num_warps=4)
+    sort_pairs_kernel[grid](
+        SRC=q, COEF=lse, ORDER=order, DST=q_s, P=P, H=H, D=D, s_b=q.stride(0), s_t=q.stride(1),
+        s_h=q.stride(2), s_s=0, TOPK=P // T, BLOCK_M=cfg.rows, BLOCK_D=block_d, HAS_COEF=False,
+        num_warps=4)
     # dA in q's dtype: the kernel rounds it to that for its matrix products anyway
     da_s = torch.empty(BH, P, D, dtype=q.dtype, device=q.device)
-    sort_pairs_kernel[grid](up, lse if coef is None else coef, order, da_s, P, H, D,
-                            *up_strides, TOPK=P // T, BLOCK_M=cfg.rows, BLOCK_D=block_d,
-                            HAS_COEF=coef is not None, num_warps=4)
+    sort_pairs_kernel[grid](
+        SRC=up, COEF=lse if coef is None else coef, ORDER=order, DST=da_s, P=P, H=H, D=D,
+        s_b=up_strides[0], s_t=up_strides[1], s_h=up_strides[2], s_s=up_strides[3], TOPK=P // T,
+        BLOCK_M=cfg.rows, BLOCK_D=block_d, HAS_COEF=coef is not None, num_warps=4)
     lse, delta = lse.reshape(BH, P), delta.reshape(BH, P)
     unused_coef = lse  # dA already holds the coefficient
     return (q_s, order, lo_f.gather(1, idx), hi_f.gather(1, idx), da_s, unused_coef,
