@@ -291,6 +291,13 @@ def test_launch_rejects_bad_row_blocks(option, rows, monkeypatch):
         KERNEL.function.launch_config(32, 16, 32, torch.float32)
 
 
+def test_launch_rejects_unknown_fields(monkeypatch):
+    """A misspelt override is refused by name (kernels/common.py: env_overrides), not ignored."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"keep_state": false}')
+    with pytest.raises(ValueError, match=r"\['keep_state'\].*allowed.*'keep_states'"):
+        KERNEL.function.launch_config(32, 16, 32, torch.float32)
+
+
 # chunking: 128-token chunks (the compiled default), prefix sums over 1, 2 or 4 chunks per step
 # whether or not that divides the chunk count (T = 300: 5 chunks of 64, 3 of 128), Dv in blocks
 CHUNKING = ['{"BT": 128}', '{"scan_unroll": 1}', '{"scan_unroll": 2}',
