@@ -117,7 +117,7 @@ def span_tile_ranges(order, lo, hi, T: int, block_m: int, block_n: int,
 
 
 def span_window_backward(saved, up, up_strides, coef, delta, win_up, win_strides, win_coef,
-                          delta_w, window: int, cfg: LaunchConfig, options: dict):
+                         delta_w, window: int, cfg: LaunchConfig, options: dict):
     """dq [B, T, H, D] (q's dtype), dk, dv (float32) of the span and window attention, given
     each pair's upstream gradient dA (rows of ``up`` at ``up_strides`` = (b, t, h, slot), times
     ``coef`` per pair if not None) and the window's effective dO (``win_up`` likewise, times

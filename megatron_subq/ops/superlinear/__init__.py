@@ -82,7 +82,7 @@ def superlinear_attention(q, q_s, k, v, search_power=0.5, span_power=0.5, topk=2
     op = "superlinear_attention"
     check_inputs(op, q, q_s, k, v)
     knobs = check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
-                         sw_index)
+                        sw_index)
     kernel = _kernel()
     if choose_impl(op, impl, (q, q_s, k, v), kernel) == "kernel":
         return kernel(q, q_s, k, v, **knobs)
@@ -131,7 +131,7 @@ def superlinear_prefill(q, q_s, k_cache, v_cache, start: Optional[int] = None,
     start = L - C if start is None else start
     check_int(op, "start", start, 0, L - C)
     knobs = check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
-                         sw_index)
+                        sw_index)
     kernel = _prefill_kernel()
     if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
         return kernel(q, q_s, k_cache, v_cache, start, **knobs)
@@ -176,11 +176,11 @@ def superlinear_decode_step(q, q_s, k_cache, v_cache, length: Optional[int] = No
             raise ValueError(f"{op}: {name} must be a tensor of shape [B, H, D] (one token), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
     B, _, H, H_kv, D, L = check_cache(op, q[:, None], q_s[:, None], k_cache, v_cache,
-                                       "[B, H, D]")
+                                      "[B, H, D]")
     length = L if length is None else length
     check_int(op, "length", length, 1, L)
     knobs = check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
-                         sw_index)
+                        sw_index)
     kernel = _decode_kernel()
     if choose_impl(op, impl, (q, q_s, k_cache, v_cache), kernel) == "kernel":
         return kernel(q, q_s, k_cache, v_cache, length, **knobs)

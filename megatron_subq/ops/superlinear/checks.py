@@ -12,7 +12,7 @@ from ..dispatch import check_qkv
 
 
 def check_knobs(op, search_power, span_power, topk, backward_factor, forward_factor,
-                 sw_index) -> dict:
+                sw_index) -> dict:
     """Validate the knobs (ValueError naming the knob); return them as keyword arguments."""
     def bad(name, value, allowed):
         raise ValueError(f"{op}: {name}={value!r} is invalid: allowed {allowed}")
