@@ -5,8 +5,9 @@ validated in ``__post_init__`` so that a wrong value fails with a ``ValueError``
 and the allowed values, before any parameter is allocated. The knobs are fields here (megatron
 builds from one config object), but each variant owns their checks and derived defaults
 (``Variant.check_knobs`` / ``resolve`` / ``validate`` in variants/<name>.py); this module checks
-what belongs to no variant (``attention_variant``, ``layer_pattern``, ``subq_impl``). The exact meaning of every knob is in
-``../shared/variants.md``; docs/variants.md says how the code follows it.
+what belongs to no variant (``attention_variant``, ``layer_pattern``, ``subq_impl``). The exact
+meaning of every knob is in ``../shared/variants.md``; docs/variants.md says how the code
+follows it.
 """
 
 from __future__ import annotations

@@ -192,8 +192,9 @@ def attention_spec(config, layer_number: int, backend):
 
 def check_knobs(config) -> None:
     """Range of sas_kernel (whether or not a layer uses sas)."""
-    if not isinstance(config.sas_kernel, int) or config.sas_kernel < 1 or config.sas_kernel % 2 == 0:
-        knob_error("sas_kernel", config.sas_kernel, "an odd positive integer (1, 3, 5, ...)")
+    k = config.sas_kernel
+    if not isinstance(k, int) or k < 1 or k % 2 == 0:
+        knob_error("sas_kernel", k, "an odd positive integer (1, 3, 5, ...)")
 
 
 def resolve(config) -> None:
