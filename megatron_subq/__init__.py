@@ -4,6 +4,7 @@ Public API::
 
     SubqTransformerConfig      megatron-core TransformerConfig + variant knobs
     VARIANTS                   name -> Variant registry
+    Variant, register_variant  one variant as a unit; add one at run time (a plugin)
     get_gpt_layer_spec, get_gpt_block_spec, build_gpt_model
     init_single_process        one-process torch.distributed + megatron parallel state
     ops                        functional [B, T, H, D] attention ops, one per variant
@@ -47,13 +48,14 @@ from . import ops  # noqa: E402
 from .config import SubqTransformerConfig  # noqa: E402
 from .initialize import destroy_single_process, init_single_process  # noqa: E402
 from .specs import build_gpt_model, get_backend, get_gpt_block_spec, get_gpt_layer_spec  # noqa: E402
-from .variants import VARIANTS  # noqa: E402
+from .variants import VARIANTS, Variant, register_variant  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "SubqTransformerConfig",
     "VARIANTS",
+    "Variant",
     "build_gpt_model",
     "destroy_single_process",
     "get_backend",
@@ -61,4 +63,5 @@ __all__ = [
     "get_gpt_layer_spec",
     "init_single_process",
     "ops",
+    "register_variant",
 ]

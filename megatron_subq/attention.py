@@ -40,7 +40,8 @@ class SubqCoreAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"{type(self).__name__}: attention_type={attention_type!r}; "
                              "allowed: 'self'")
-        if config.context_parallel_size > 1:
+        if config.context_parallel_size > 1 and \
+                config.layer_variant(layer_number).context_parallel == "none":
             raise ValueError("context_parallel_size > 1 is not supported by megatron_subq's "
                              "attention variants yet; allowed: 1")
         self.layer_number = layer_number

@@ -2,13 +2,16 @@
 
 One config object flows everywhere (specs, modules, ops, the trainer's flags). Every knob is
 validated in ``__post_init__`` so that a wrong value fails with a ``ValueError`` naming the field
-and the allowed values, before any parameter is allocated. The exact meaning of every knob is in
-``../shared/variants.md``; docs/variants.md says how the code follows it.
+and the allowed values, before any parameter is allocated. The knobs are fields here (megatron
+builds from one config object), but each variant owns their checks and derived defaults
+(``Variant.check_knobs`` / ``resolve`` / ``validate`` in variants/<name>.py); this module checks
+what belongs to no variant (``attention_variant``, ``layer_pattern``, ``subq_impl``). The exact
+meaning of every knob is in ``../shared/variants.md``; docs/variants.md says how the code
+follows it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Union
 
@@ -17,8 +20,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .kernels.powers import as_fraction, floor_power
+from .ops.asa import ASA_NORMALIZE_MODES  # noqa: F401 (re-exported: the asa_normalize values)
 
-ASA_NORMALIZE_MODES = ("linear", "none", "mean")
 SUBQ_IMPLS = ("reference", "kernel")
 
 
@@ -119,6 +122,13 @@ class SubqTransformerConfig(TransformerConfig):
         return floor_power(self.superlinear_sw_index + 1, 1 / as_fraction(
             self.superlinear_search_power)) - 1
 
+    def layer_variant(self, layer_number: int):
+        """The registry's ``Variant`` of global layer ``layer_number`` (1-based): how modules
+        ask a layer's capabilities without importing the registry."""
+        from .variants import VARIANTS  # noqa: PLC0415 (the registry imports modules using us)
+
+        return VARIANTS[self.layer_variants[layer_number - 1]]
+
     def _validate_variant_knobs(self) -> None:
         from .variants import VARIANTS  # noqa: PLC0415 (the registry imports modules using us)
 
@@ -127,43 +137,9 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("attention_variant", self.attention_variant, f"one of {names}")
         if self.subq_impl is not None and self.subq_impl not in SUBQ_IMPLS:
             _fail("subq_impl", self.subq_impl, f"one of {SUBQ_IMPLS} or None")
-        if self.asa_rank is not None and (not isinstance(self.asa_rank, int) or self.asa_rank < 1):
-            _fail("asa_rank", self.asa_rank, "a positive integer m < kv_channels")
-        w = self.mlp_attention_width
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
-            _fail("mlp_attention_width", w, "None or a positive integer")
-        if self.asa_normalize not in ASA_NORMALIZE_MODES:
-            _fail("asa_normalize", self.asa_normalize, f"one of {ASA_NORMALIZE_MODES}")
-        if not (isinstance(self.ppa_power, (int, float)) and 0.0 <= self.ppa_power <= 1.0):
-            _fail("ppa_power", self.ppa_power, "a number in [0, 1]")
-        if not isinstance(self.ppa_window, int) or self.ppa_window < 0:
-            _fail("ppa_window", self.ppa_window, "an integer >= 0")
-        if not isinstance(self.sas_kernel, int) or self.sas_kernel < 1 or self.sas_kernel % 2 == 0:
-            _fail("sas_kernel", self.sas_kernel, "an odd positive integer (1, 3, 5, ...)")
-        sp, ssp = self.superlinear_search_power, self.superlinear_span_power
-        if not (isinstance(sp, (int, float)) and 0.0 < sp <= 1.0):
-            _fail("superlinear_search_power", sp, "a number in (0, 1]")
-        if not (isinstance(ssp, (int, float)) and 0.0 <= ssp <= 1.0):
-            _fail("superlinear_span_power", ssp, "a number in [0, 1]")
-        if not isinstance(self.superlinear_topk, int) or self.superlinear_topk < 1:
-            _fail("superlinear_topk", self.superlinear_topk, "an integer >= 1")
-        if self.superlinear_backward_factor < 0:
-            _fail("superlinear_backward_factor", self.superlinear_backward_factor, "a number >= 0")
-        if self.superlinear_forward_factor < 0:
-            _fail("superlinear_forward_factor", self.superlinear_forward_factor, "a number >= 0")
-        if not isinstance(self.superlinear_sw_index, int) or self.superlinear_sw_index < 0:
-            _fail("superlinear_sw_index", self.superlinear_sw_index, "an integer >= 0")
-        if not self.superlinear_allow_no_random_access:
-            if sp + ssp < 1.0 - 1e-12:
-                raise ValueError(
-                    f"superlinear_search_power={sp} + superlinear_span_power={ssp} < 1 breaks random "
-                    "context access (some keys fall in no span); allowed: search_power + span_power "
-                    ">= 1, or set superlinear_allow_no_random_access=True")
-            if self.superlinear_backward_factor < 1.0 / sp - 1e-12:
-                raise ValueError(
-                    f"superlinear_backward_factor={self.superlinear_backward_factor} < "
-                    f"1/superlinear_search_power={1.0 / sp:g} breaks random context access; allowed: "
-                    "backward_factor >= 1/search_power, or set superlinear_allow_no_random_access=True")
+        # every variant's own knob ranges, used or not: a bad value is wrong in any model
+        for variant in VARIANTS.values():
+            variant.check_knobs(self)
 
     def _resolve_layers(self) -> None:
         from .patterns import resolve_layer_pattern  # noqa: PLC0415
@@ -181,24 +157,8 @@ class SubqTransformerConfig(TransformerConfig):
     def _validate_cross_field(self) -> None:
         from .variants import VARIANTS  # noqa: PLC0415
 
-        H, D, tp = self.num_attention_heads, self.kv_channels, self.tensor_model_parallel_size
-        used = set(self.layer_variants)
-        if "asa" in used and self.asa_rank is None:
-            self.asa_rank = max(1, min(64, D // 2))
-        if "asa" in used and not self.asa_rank < D:
-            _fail("asa_rank", self.asa_rank, f"an integer in [1, kv_channels={D})")
-        if "sas" in used:
-            if self.sas_heads is None:
-                self.sas_heads = 3 * H
-            if self.sas_head_dim is None:
-                self.sas_head_dim = 2 * math.ceil(0.75 * D)
-            if not isinstance(self.sas_heads, int) or self.sas_heads < H or self.sas_heads % H:
-                _fail("sas_heads", self.sas_heads,
-                      f"a positive multiple of num_attention_heads={H}")
-            if not isinstance(self.sas_head_dim, int) or self.sas_head_dim < 1:
-                _fail("sas_head_dim", self.sas_head_dim, "a positive integer")
-            if self.sas_heads % tp:
-                _fail("sas_heads", self.sas_heads,
-                      f"a multiple of tensor_model_parallel_size={tp}")
-        for name in used:
-            VARIANTS[name].validate(self)
+        used = [variant for name, variant in VARIANTS.items() if name in self.layer_variants]
+        for variant in used:  # derived defaults first: a validate may read another's
+            variant.resolve(self)
+        for variant in used:
+            variant.validate(self)

@@ -44,13 +44,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from .parallel import tp_world_size
+from .variants import VARIANTS, embedding_qk_variants, fixed_input_variants
 from .variants.fixed_seq_qk import load_fixed_tokens
 from .variants.qk_source import QKSource, QKSourceAttention
-
-FIXED_ROW_VARIANTS: Tuple[str, ...] = ("rnd_emb_qk", "fixed_seq_qk")
-"""Variants whose Q/K source is a fixed input carried as one batch row (in this order)."""
-EMBEDDING_VARIANTS: Tuple[str, ...] = ("static_emb_qk",)
-"""Variants whose Q/K source is the batch's own token embeddings."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +76,9 @@ def stream_layout(config, layer_number: int) -> StreamLayout:
     if getattr(config, "skip_variant_layers", False):
         return StreamLayout()  # the ablation removes every consumer
     later = set(config.layer_variants[layer_number - 1:])
-    return StreamLayout(fixed_rows=tuple(v for v in FIXED_ROW_VARIANTS if v in later),
-                        embeddings=any(v in later for v in EMBEDDING_VARIANTS))
+    # the registry's Variant.fixed_input / qk_from_embeddings, fixed rows in registry order
+    return StreamLayout(fixed_rows=tuple(v for v in fixed_input_variants() if v in later),
+                        embeddings=any(v in later for v in embedding_qk_variants()))
 
 
 def uses_qk_streams(config) -> bool:
@@ -102,7 +99,9 @@ class StreamTransformerLayer(TransformerLayer):
         self.layout_in = stream_layout(config, self.layer_number)
         self.layout_out = stream_layout(config, self.layer_number + 1)
         self.variant = config.layer_variants[self.layer_number - 1]
-        if self.variant in FIXED_ROW_VARIANTS + EMBEDDING_VARIANTS and not self.layout_in.empty:
+        variant = VARIANTS[self.variant]
+        self.fixed_input, self.embedding_qk = variant.fixed_input, variant.qk_from_embeddings
+        if (self.fixed_input or self.embedding_qk) and not self.layout_in.empty:
             if not isinstance(self.self_attention, QKSourceAttention):
                 raise TypeError(f"layer {self.layer_number} ({self.variant}) needs a "
                                 f"QKSourceAttention, got {type(self.self_attention).__name__}")
@@ -121,9 +120,9 @@ class StreamTransformerLayer(TransformerLayer):
             main, embeddings = hidden_states, None
 
         source = None
-        if self.variant in FIXED_ROW_VARIANTS:
+        if self.fixed_input:
             source = QKSource(row=b + layout_in.fixed_rows.index(self.variant))
-        elif self.variant in EMBEDDING_VARIANTS:
+        elif self.embedding_qk:
             # the embeddings go through this layer's own input norm, as its input does
             source = QKSource(hidden=self.input_layernorm(embeddings))
         if source is None:
@@ -243,7 +242,7 @@ class StreamGPTModel(GPTModel):
             ids = self.fixed_qk_tokens[:seq].unsqueeze(0)
             positions = torch.arange(seq, device=ids.device).unsqueeze(0)
             return self.embedding(input_ids=ids, position_ids=positions)
-        raise ValueError(f"name={name!r} is invalid: allowed {FIXED_ROW_VARIANTS}")
+        raise ValueError(f"name={name!r} is invalid: allowed {fixed_input_variants()}")
 
 
 def model_class(config) -> type:
@@ -252,6 +251,5 @@ def model_class(config) -> type:
 
 
 __all__ = ["StreamGPTModel", "StreamLayout", "StreamTransformerLayer", "draw_fixed_noise",
-           "model_class", "stream_layout", "uses_qk_streams", "with_stream_layers",
-           "EMBEDDING_VARIANTS", "FIXED_ROW_VARIANTS"]
+           "model_class", "stream_layout", "uses_qk_streams", "with_stream_layers"]
 

@@ -10,6 +10,7 @@ import torch
 
 import megatron_subq as subq
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.cases import variant_test_settings
 from megatron_subq.testing.checkpoint import assert_resharded, reshard_tp2_tp1_tp2
 
 BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
@@ -121,7 +122,8 @@ def _roundtrip_cases():
     cases = [("standard", {})]
     others = [n for n in sorted(subq.VARIANTS) if n != "standard"]
     if others:
-        cases.append(("hybrid", {"layer_pattern": [others[0], "standard"]}))
+        cases.append(("hybrid", {**variant_test_settings(others[0]),
+                                 "layer_pattern": [others[0], "standard"]}))
     return cases
 
 

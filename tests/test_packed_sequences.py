@@ -6,6 +6,7 @@ import pytest
 
 from megatron_subq.variants import packed_sequence_variants
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.cases import variant_test_settings
 from megatron_subq.testing.packed import packed_vs_separate_losses
 
 PACKED = packed_sequence_variants()
@@ -26,13 +27,13 @@ def _check(results, atol=2e-5):
 
 @pytest.mark.parametrize("variant", PACKED)
 def test_packed_documents_do_not_see_each_other(variant):
-    # small windows, so that PPA's offsets and Superlinear's spans reach beyond them
-    kwargs = {"attention_variant": variant, "ppa_window": 3, "superlinear_sw_index": 1}
+    # the tiny settings' small windows: PPA's offsets and Superlinear's spans reach beyond them
+    kwargs = variant_test_settings(variant)
     _check(run_distributed(packed_vs_separate_losses, 1, tp=1, args=(kwargs,)))
 
 
 def test_packed_documents_tp2_sequence_parallel():
-    kwargs = {"attention_variant": "asa", "sequence_parallel": True}
+    kwargs = {**variant_test_settings("asa"), "sequence_parallel": True}
     _check(run_distributed(packed_vs_separate_losses, 2, tp=2, args=(kwargs,)))
 
 

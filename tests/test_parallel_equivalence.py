@@ -1,43 +1,21 @@
 """TP=2 (with and without SP) and PP=2 must reproduce TP=1, for every variant.
 
-Each variant adds itself to VARIANT_CASES (name, extra config kwargs). Same seed, same data:
-logits, loss and every parameter's gathered gradient must match TP=1 within fp32 tolerance.
+Every registered variant is a case, with its tiny-model settings from
+``megatron_subq.testing.cases.VARIANT_TEST_SETTINGS`` (and its tolerance from
+``VARIANT_TEST_TOLERANCES``). Same seed, same data: logits, loss and every parameter's gathered
+gradient must match TP=1 within fp32 tolerance.
 """
-
-import os
 
 import pytest
 import torch
 
 from megatron_subq.testing import run_distributed
+from megatron_subq.testing.cases import (VARIANT_TEST_SETTINGS, VARIANT_TEST_TOLERANCES,
+                                         variant_test_settings)
 from megatron_subq.testing.equivalence import tiny_gpt_step, tiny_gpt_pipeline_losses
 
-FIXED_QK_TOKENS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                               "fixed_qk_tokens.txt")
-
-VARIANT_CASES = [
-    ("standard", {}),
-    ("asa", {"asa_rank": 8, "asa_normalize": "linear"}),
-    # w=2 so that seq 16 reaches the power offsets 4 and 9 outside the window
-    ("ppa", {"ppa_power": 0.5, "ppa_window": 2}),
-    ("mlp", {}),
-    ("approx", {}),
-    ("nonapprox", {}),
-    ("sas", {"sas_heads": 8, "sas_head_dim": 24}),
-    ("rnd_emb_qk", {"fixed_qk_seed": 7}),
-    # hybrid: the fixed row also crosses standard layers and is dropped after its last consumer
-    ("fixed_seq_qk", {"fixed_qk_tokens_file": FIXED_QK_TOKENS, "layer_pattern": "hybrid"}),
-    ("static_emb_qk", {}),
-    # w=3: at seq 16 queries see up to 3 anchors (offsets 3, 8, 15) for top-2, spans reach back
-    ("superlinear", {"superlinear_sw_index": 1, "superlinear_forward_factor": 0.5}),
-]
-
-# Looser TP gradient tolerances where a variant's own math amplifies fp32 summation-order
-# differences.
-# approx: o1 divides by q~_i . sum_j k~_j, which has no sign; at random init some of these
-# denominators are ~1e-3 of |q~| |sum k~| and amplify the ~1e-7 differences of TP's GEMMs ~500x.
-# Its tight TP=2(+SP) check runs in float64 in tests/test_deconstructed_linear.py.
-CASE_TOLERANCES = {"approx": {"rtol": 1e-2, "atol": 1e-3}}
+VARIANT_CASES = [(name, variant_test_settings(name)) for name in VARIANT_TEST_SETTINGS]
+CASE_TOLERANCES = VARIANT_TEST_TOLERANCES
 
 _TP1_CACHE = {}
 
@@ -53,9 +31,8 @@ def _assert_close(got, ref, what, rtol=1e-4, atol=1e-5):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-@pytest.mark.parametrize("name,extra", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
-def test_tp2_equals_tp1(name, extra, sequence_parallel):
-    kwargs = {"attention_variant": name, **extra}
+@pytest.mark.parametrize("name,kwargs", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_tp2_equals_tp1(name, kwargs, sequence_parallel):
     ref = _tp1(name, kwargs)
     ranks = run_distributed(tiny_gpt_step, 2, tp=2,
                             args=({**kwargs, "sequence_parallel": sequence_parallel},))
@@ -68,9 +45,8 @@ def test_tp2_equals_tp1(name, extra, sequence_parallel):
             _assert_close(got["grads"][pname], g, f"rank {rank} grad of {pname}", **tol)
 
 
-@pytest.mark.parametrize("name,extra", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
-def test_pp2_equals_pp1(name, extra):
-    kwargs = {"attention_variant": name, **extra}
+@pytest.mark.parametrize("name,kwargs", VARIANT_CASES, ids=[c[0] for c in VARIANT_CASES])
+def test_pp2_equals_pp1(name, kwargs):
     ref = run_distributed(tiny_gpt_pipeline_losses, 1, tp=1, pp=1, args=(kwargs,))[0]
     ranks = run_distributed(tiny_gpt_pipeline_losses, 2, tp=1, pp=2, args=(kwargs,))
     last = ranks[-1]

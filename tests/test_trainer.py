@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 from megatron_subq import VARIANTS  # noqa: E402
 from megatron_subq.distributed import free_port  # noqa: E402
 from megatron_subq.testing import run_distributed  # noqa: E402
+from megatron_subq.testing.cases import trainer_flags  # noqa: E402
 from megatron_subq.training import arguments  # noqa: E402
 from megatron_subq.training.checkpointing import read_tracker  # noqa: E402
 
@@ -36,12 +37,6 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "cosine", "--lr-warmup-iters", "3", "--split", "90,10,0", "--num-workers", "0",
         "--eval-iters", "2", "--log-interval", "5", "--seed", "1234"]
 
-# knobs a variant needs on the tiny model (anything not listed runs at its defaults)
-VARIANT_FLAGS = {
-    "asa": ["--asa-rank", "8"],
-    "ppa": ["--ppa-window", "8"],
-    "superlinear": ["--superlinear-sw-index", "3"],
-}
 
 
 def _torchrun(argv, log_path, nproc=2, timeout=400, script=("examples", "pretrain_gpt.py")):
@@ -218,7 +213,7 @@ def _single_process_checks(tiny, flags, a_save, heldout, crash_dir, variant_runs
     # every registered variant: 5 iterations through the trainer
     out["variants"] = {}
     for name, extra in variant_runs:
-        summary = pretrain(tiny + flags + ["--attention-variant", name, "--seq-length", "32",
+        summary = pretrain(tiny + flags + ["--seq-length", "32",
                                            "--global-batch-size", "2", "--train-iters", "5",
                                            "--eval-iters", "0", "--eval-interval", "100"]
                            + extra)
@@ -228,10 +223,8 @@ def _single_process_checks(tiny, flags, a_save, heldout, crash_dir, variant_runs
 
 @pytest.fixture(scope="module")
 def single(run_a, data):
-    fixed_tokens = data["work"] / "fixed_tokens.txt"
-    fixed_tokens.write_text(" ".join(str(3 + (7 * i) % 250) for i in range(64)))
-    per_variant = dict(VARIANT_FLAGS, fixed_seq_qk=["--fixed-qk-tokens-file", str(fixed_tokens)])
-    variant_runs = [(name, per_variant.get(name, [])) for name in sorted(VARIANTS)]
+    # each variant's tiny settings (megatron_subq.testing.cases), as flags
+    variant_runs = [(name, trainer_flags(name)) for name in sorted(VARIANTS)]
     [result] = run_distributed(_single_process_checks, world_size=1, args=(
         TINY, data["flags"], run_a["save"], data["heldout"], str(data["work"] / "crash"),
         variant_runs))

@@ -23,6 +23,7 @@ not restored.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -152,10 +153,32 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
 # variant knobs that choose an implementation or an evaluation ablation, not the model
 NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_allow_no_random_access")
-# the variant whose layers read a knob (by name prefix); a knob matching none is always compared
-_KNOB_VARIANTS = (("asa_", "asa"), ("ppa_", "ppa"), ("sas_", "sas"),
-                  ("superlinear_", "superlinear"), ("mlp_attention_", "mlp"),
-                  ("fixed_qk_tokens_file", "fixed_seq_qk"), ("fixed_qk_seed", "rnd_emb_qk"))
+
+
+def _knob_owner(field_name: str) -> Optional[str]:
+    """The variant whose layers read a knob (its ``Variant.knobs`` prefixes); None: a knob of
+    no variant, always compared."""
+    from ..variants import VARIANTS  # noqa: PLC0415
+
+    return next((name for name, variant in VARIANTS.items()
+                 if any(field_name.startswith(prefix) for prefix in variant.knobs)), None)
+
+
+def _derived_knobs(values, layers) -> dict:
+    """{field: value in use} of the knobs whose default depends on other arguments
+    (``Variant.derived_knobs``), for the variants of ``layers``; {} where ``values`` lacks what
+    they need (a checkpoint saved before those arguments existed)."""
+    from ..variants import VARIANTS  # noqa: PLC0415
+
+    ns = argparse.Namespace(**values) if isinstance(values, dict) else values
+    out = {}
+    for name in sorted(set(layers or ())):
+        if name in VARIANTS:
+            try:
+                out.update(VARIANTS[name].derived_knobs(ns))
+            except (AttributeError, TypeError, ValueError, ZeroDivisionError):
+                continue
+    return out
 
 
 def layer_variants(values) -> Optional[list]:
@@ -184,7 +207,7 @@ def model_args(layers) -> list:
     for f in variant_fields():
         if f.name in ("attention_variant", "layer_pattern") or f.name in NON_MODEL_KNOBS:
             continue
-        owner = next((v for prefix, v in _KNOB_VARIANTS if f.name.startswith(prefix)), None)
+        owner = _knob_owner(f.name)
         if owner is None or owner in used:
             names.append(f.name)
     return names
@@ -193,7 +216,9 @@ def model_args(layers) -> list:
 def model_mismatches(saved: dict, args) -> list:
     """'--flag: checkpoint X, this run Y' for every model-defining argument in which this run
     (``args``) differs from a checkpoint's stored arguments (``saved``). Arguments the
-    checkpoint does not store (saved before they existed) are not compared."""
+    checkpoint does not store (saved before they existed) are not compared. A knob with a
+    ``Variant.derived_knobs`` entry is compared by the value in use (the mlp width, whose default
+    depends on the TP size)."""
     from .fields import flag_for_field  # noqa: PLC0415
 
     out = []
@@ -208,7 +233,17 @@ def model_mismatches(saved: dict, args) -> list:
             return f"{text} (layers {','.join(layers or ['?'])})"
         out.append(f"--attention-variant/--layer-pattern: checkpoint {describe(saved, theirs)}, "
                    f"this run {describe(args, ours)}")
+    derived_theirs, derived_ours = _derived_knobs(saved, theirs), _derived_knobs(args, ours)
     for name in model_args(set(theirs or ()) | set(ours or ())):
+        if name in derived_theirs and name in derived_ours:
+            if derived_theirs[name] != derived_ours[name]:
+                flag = flag_for_field(name)
+                out.append(f"{flag}: checkpoint {derived_theirs[name]!r} (in use; given "
+                           f"{saved.get(name)!r}), this run {derived_ours[name]!r} (given "
+                           f"{getattr(args, name, None)!r}); a default can depend on the TP "
+                           f"size: pass {flag} {derived_theirs[name]} to build the checkpoint's "
+                           "model")
+            continue
         if name not in saved:
             continue
         if name == "max_position_embeddings" and "learned_absolute" not in (

@@ -40,10 +40,18 @@ def validate(config) -> None:
                          "allowed None (q and k are pre-scaled by kv_channels**-0.25)")
 
 
+def core_flops(config, L: int) -> float:
+    """Mean of v, plus two normalised linear attentions (identity and squared features, dim D):
+    state k (x) v (D x D) and readout per token, and their normalisers."""
+    H, D = config.num_attention_heads, config.kv_channels
+    return L * H * (D + 2 * (2 * D * D + 2 * D * D + 2 * 2 * D))
+
+
 VARIANT = Variant(
     name="approx",
     summary="second-order Taylor linear attention, three separately normalised terms (Eq. 14-17)",
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    core_flops=core_flops,
 )

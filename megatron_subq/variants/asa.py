@@ -23,8 +23,9 @@ import torch
 
 from ..attention import SubqCoreAttention
 from ..ops import asa_attention
+from ..ops.asa import ASA_NORMALIZE_MODES
 from ..parallel import head_sharded_parameter
-from .base import Variant
+from .base import Variant, knob_error
 from .standard import self_attention_spec
 
 
@@ -61,11 +62,36 @@ def attention_spec(config, layer_number: int, backend):
     return self_attention_spec(ASACoreAttention, backend)
 
 
+def check_knobs(config) -> None:
+    """Ranges of asa_rank and asa_normalize (whether or not a layer uses asa)."""
+    m = config.asa_rank
+    if m is not None and (not isinstance(m, int) or m < 1):
+        knob_error("asa_rank", m, "a positive integer m < kv_channels")
+    if config.asa_normalize not in ASA_NORMALIZE_MODES:
+        knob_error("asa_normalize", config.asa_normalize, f"one of {ASA_NORMALIZE_MODES}")
+
+
+def resolve(config) -> None:
+    """asa_rank defaults to min(64, kv_channels // 2) (at least 1), and must be < kv_channels."""
+    D = config.kv_channels
+    if config.asa_rank is None:
+        config.asa_rank = max(1, min(64, D // 2))
+    if not config.asa_rank < D:
+        knob_error("asa_rank", config.asa_rank, f"an integer in [1, kv_channels={D})")
+
+
 def validate(config) -> None:
-    # asa_rank < kv_channels and asa_normalize are checked in SubqTransformerConfig itself.
+    # asa_rank and asa_normalize: check_knobs and resolve above.
     if config.softmax_scale is not None:
         raise ValueError(f"softmax_scale={config.softmax_scale!r} is invalid with asa layers: "
                          "allowed None (ASA's feature softmaxes are unscaled)")
+
+
+def core_flops(config, L: int) -> float:
+    """Feature maps q P_Q, k P_K (D -> m), state k'^T v accumulation and readout q' S (m x D),
+    plus the normaliser q' . sum k' (m)."""
+    H, D, m = config.num_attention_heads, config.kv_channels, config.asa_rank
+    return L * H * (2 * 2 * D * m + 2 * 2 * m * D + 2 * 2 * m)
 
 
 VARIANT = Variant(
@@ -74,4 +100,8 @@ VARIANT = Variant(
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    knobs=("asa_",),
+    check_knobs=check_knobs,
+    resolve=resolve,
+    core_flops=core_flops,
 )

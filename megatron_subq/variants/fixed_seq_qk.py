@@ -25,6 +25,7 @@ import torch
 
 from .base import Variant
 from .qk_source import SharedMapCoreAttention, qk_source_attention_spec, validate_qk_source_config
+from .standard import standard_core_flops
 
 _FIELD = "fixed_qk_tokens_file"
 
@@ -84,4 +85,8 @@ VARIANT = Variant(
             "batch); V from the input",
     attention_spec=attention_spec,
     validate=validate,
+    knobs=("fixed_qk_tokens_file",),
+    core_flops=standard_core_flops,  # + one pass of the fixed row (training/flops.py)
+    fixed_input=True,
+    hosts=("gpt",),  # the fixed row cannot pass through a hybrid host's Mamba mixers
 )

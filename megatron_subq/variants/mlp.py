@@ -17,9 +17,11 @@ inference context are irrelevant to it and ignored.
 Parameter matching. Standard attention (no biases) holds ``d (H d_h + 2 g d_h) + H d_h d``
 weights (fused QKV + output; g = query groups), the gated MLP ``3 d f``. ``matched_width`` takes
 ``f* = P_attn / (3 d)`` (bias terms included when ``add_bias_linear``) and rounds it to the nearest
-multiple of 8 when that stays within 0.5% of the attention count (so it splits over TP = 1, 2, 4,
-8), else to the nearest integer. E.g. the paper's 500M model (d = 896, 14 heads, MHA):
-attention 3,211,264, f = 1192, MLP 3,204,096 (-0.22%).
+multiple of 8 when that stays within 0.5% of the attention count and splits over the TP size (so
+the same width serves TP = 1, 2, 4, 8), else to the nearest multiple of the TP size (at least the
+TP size; at TP = 1 the nearest integer). The default can then depend on the TP size, so a
+checkpoint compares the resolved width (``derived_knobs``). E.g. the paper's 500M model
+(d = 896, 14 heads, MHA): attention 3,211,264, f = 1192, MLP 3,204,096 (-0.22%).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .base import Variant
+from .base import Variant, knob_error
 
 MATCH_TOLERANCE = 0.005
 WIDTH_MULTIPLE = 8
@@ -57,14 +59,17 @@ def gated_mlp_param_count(config, width: int) -> int:
 
 
 def matched_width(config) -> int:
-    """The inner width whose parameter count matches standard attention (see the module doc)."""
+    """The inner width whose parameter count matches standard attention, split over
+    ``config.tensor_model_parallel_size`` (see the module doc)."""
     d, bias = config.hidden_size, int(bool(config.add_bias_linear))
+    tp = config.tensor_model_parallel_size
     target = standard_attention_param_count(config)
     exact = (target - bias * d) / (3 * d + 2 * bias)
     coarse = max(WIDTH_MULTIPLE, WIDTH_MULTIPLE * round(exact / WIDTH_MULTIPLE))
-    if abs(gated_mlp_param_count(config, coarse) - target) <= MATCH_TOLERANCE * target:
+    if coarse % tp == 0 and \
+            abs(gated_mlp_param_count(config, coarse) - target) <= MATCH_TOLERANCE * target:
         return coarse
-    return max(1, round(exact))
+    return max(tp, tp * round(exact / tp))
 
 
 def mlp_width(config) -> int:
@@ -105,6 +110,13 @@ def attention_spec(config, layer_number: int, backend) -> ModuleSpec:
         linear_fc1=backend.column_parallel_linear, linear_fc2=backend.row_parallel_linear))
 
 
+def check_knobs(config) -> None:
+    """Type of mlp_attention_width (whether or not a layer uses mlp)."""
+    w = config.mlp_attention_width
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+        knob_error("mlp_attention_width", w, "None or a positive integer")
+
+
 def validate(config) -> None:
     width, tp = mlp_width(config), config.tensor_model_parallel_size
     if width % tp:
@@ -114,10 +126,24 @@ def validate(config) -> None:
                          f"tensor_model_parallel_size={tp}; set mlp_attention_width explicitly")
 
 
+def derived_knobs(values) -> dict:
+    """The width in use, for the checkpoint's model identity: the parameter-matched default
+    depends on the TP size, so a checkpoint is compared by the width it holds."""
+    return {"mlp_attention_width": mlp_width(values)}
+
+
+def core_flops(config, L: int) -> float:
+    return 0.0  # a gated MLP in the attention slot, parameter-matched: its FLOPs are "dense"
+
+
 VARIANT = Variant(
     name="mlp",
     summary="gated SiLU MLP in the attention slot, parameter-matched, no token mixing",
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,  # no token mixing: documents cannot meet
+    knobs=("mlp_attention_",),
+    check_knobs=check_knobs,
+    derived_knobs=derived_knobs,
+    core_flops=core_flops,
 )

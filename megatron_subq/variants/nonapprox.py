@@ -58,10 +58,17 @@ def validate(config) -> None:
                          "layers: allowed None (the score is scaled by 1/sqrt(kv_channels))")
 
 
+def core_flops(config, L: int) -> float:
+    """One score per token and head (SiLU(q) . k), then a running weighted sum of v."""
+    H, D = config.num_attention_heads, config.kv_channels
+    return L * H * (2 * D + 2 * D)
+
+
 VARIANT = Variant(
     name="nonapprox",
     summary="softmax over time of one SiLU(q)-gated scalar per token (no pairwise q.k)",
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    core_flops=core_flops,
 )

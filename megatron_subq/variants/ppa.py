@@ -8,9 +8,11 @@ its own heads, so there is no communication beyond megatron's projections.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..attention import SubqCoreAttention
-from ..ops.ppa import ppa_attention, ppa_power_fraction
-from .base import SpecBackend, Variant
+from ..ops.ppa import ppa_attention, ppa_offsets, ppa_power_fraction
+from .base import SpecBackend, Variant, knob_error
 from .standard import self_attention_spec
 
 
@@ -30,10 +32,32 @@ def attention_spec(config, layer_number: int, backend: SpecBackend):
     return self_attention_spec(PPACoreAttention, backend)
 
 
+def check_knobs(config) -> None:
+    """Ranges of ppa_power and ppa_window (whether or not a layer uses ppa)."""
+    if not (isinstance(config.ppa_power, (int, float)) and 0.0 <= config.ppa_power <= 1.0):
+        knob_error("ppa_power", config.ppa_power, "a number in [0, 1]")
+    if not isinstance(config.ppa_window, int) or config.ppa_window < 0:
+        knob_error("ppa_window", config.ppa_window, "an integer >= 0")
+
+
 def validate(config) -> None:
-    # config.py checks the range of ppa_power and ppa_window; offsets are exact only for a power
+    # check_knobs checks the range of ppa_power and ppa_window; offsets are exact only for a power
     # that is a rational with a small denominator, so refuse what would otherwise be rounded.
     ppa_power_fraction(config.ppa_power, what="ppa_power")
+
+
+def ppa_pairs(L: int, power: float, window: int) -> int:
+    """Pairs attended by PPA: the dense window (offsets 0..w) plus offsets j > w in S_p."""
+    dense = int(np.minimum(np.arange(L), window).sum()) + L
+    # queries i >= j see key i - j through offset j
+    sparse = sum(L - j for j in ppa_offsets(power, L - 1) if j > window) if L > 1 else 0
+    return dense + sparse
+
+
+def core_flops(config, L: int) -> float:
+    """QK^T and PV over the attended pairs, every head."""
+    pairs = ppa_pairs(L, config.ppa_power, config.ppa_window)
+    return 4.0 * pairs * config.num_attention_heads * config.kv_channels
 
 
 VARIANT = Variant(
@@ -42,4 +66,7 @@ VARIANT = Variant(
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    knobs=("ppa_",),
+    check_knobs=check_knobs,
+    core_flops=core_flops,
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .base import Variant
 from .qk_source import SharedMapCoreAttention, qk_source_attention_spec, validate_qk_source_config
+from .standard import standard_core_flops
 
 
 def attention_spec(config, layer_number: int, backend):
@@ -31,4 +32,8 @@ VARIANT = Variant(
             "V from the input",
     attention_spec=attention_spec,
     validate=validate,
+    knobs=("fixed_qk_seed",),
+    core_flops=standard_core_flops,  # + one pass of the fixed row (training/flops.py)
+    fixed_input=True,
+    hosts=("gpt",),  # the fixed row cannot pass through a hybrid host's Mamba mixers
 )

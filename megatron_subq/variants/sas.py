@@ -51,7 +51,7 @@ from ..parallel import (
     tp_replicated,
     tp_world_size,
 )
-from .base import Variant
+from .base import Variant, causal_pairs, knob_error
 from .standard import self_attention_spec
 
 
@@ -190,12 +190,46 @@ def attention_spec(config, layer_number: int, backend):
     return self_attention_spec(SASCoreAttention, backend)
 
 
+def check_knobs(config) -> None:
+    """Range of sas_kernel (whether or not a layer uses sas)."""
+    k = config.sas_kernel
+    if not isinstance(k, int) or k < 1 or k % 2 == 0:
+        knob_error("sas_kernel", k, "an odd positive integer (1, 3, 5, ...)")
+
+
+def resolve(config) -> None:
+    """sas_heads defaults to 3 H (a multiple of H and of the TP size), sas_head_dim to
+    1.5 kv_channels rounded up to even."""
+    H, D, tp = config.num_attention_heads, config.kv_channels, config.tensor_model_parallel_size
+    if config.sas_heads is None:
+        config.sas_heads = 3 * H
+    if config.sas_head_dim is None:
+        config.sas_head_dim = 2 * math.ceil(0.75 * D)
+    if not isinstance(config.sas_heads, int) or config.sas_heads < H or config.sas_heads % H:
+        knob_error("sas_heads", config.sas_heads, f"a positive multiple of num_attention_heads={H}")
+    if not isinstance(config.sas_head_dim, int) or config.sas_head_dim < 1:
+        knob_error("sas_head_dim", config.sas_head_dim, "a positive integer")
+    if config.sas_heads % tp:
+        knob_error("sas_heads", config.sas_heads, f"a multiple of tensor_model_parallel_size={tp}")
+
+
 def validate(config) -> None:
-    # sas_heads (a multiple of H), sas_head_dim and sas_kernel (odd) are checked, and defaulted,
-    # in SubqTransformerConfig itself.
+    # sas_kernel: check_knobs; sas_heads, sas_head_dim: resolve.
     if config.context_parallel_size > 1:
         raise ValueError(f"context_parallel_size={config.context_parallel_size} is invalid with "
                          "sas layers: allowed 1")
+
+
+def core_flops(config, L: int) -> float:
+    """The head/feature expansions per token, then attention over the simulated heads."""
+    H, D = config.num_attention_heads, config.kv_channels
+    Hh, Dh, k = config.sas_heads, config.sas_head_dim, config.sas_kernel
+    per_token = (3 * 2 * Hh * H * k * D      # Conv_{H->Hh} on q, k, v (a kernel of k along D)
+                 + 3 * 2 * Hh * Hh * k * D   # RCNN's Conv_{Hh->Hh} on q, k, v
+                 + 2 * 2 * Hh * D * Dh       # Lin_{D->Dh} on q, k
+                 + 2 * 2 * Hh * Dh * Dh)     # RMLP's Lin_{Dh->Dh} on q, k
+    core = 2.0 * causal_pairs(L) * Hh * (Dh + D)  # QK^T over Dh, PV over D
+    return L * per_token + core
 
 
 VARIANT = Variant(
@@ -205,4 +239,8 @@ VARIANT = Variant(
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    knobs=("sas_",),
+    check_knobs=check_knobs,
+    resolve=resolve,
+    core_flops=core_flops,
 )

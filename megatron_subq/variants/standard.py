@@ -14,7 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..attention import SubqCoreAttention
 from ..ops import standard_attention
-from .base import SpecBackend, Variant
+from .base import SpecBackend, Variant, causal_pairs
 
 
 class SDPACoreAttention(SubqCoreAttention):
@@ -50,9 +50,15 @@ def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpe
     return self_attention_spec(backend.core_attention, backend)
 
 
+def standard_core_flops(config, L: int) -> float:
+    """QK^T and PV over the causal pairs, every head (also the Q/K-source variants' count)."""
+    return 4.0 * causal_pairs(L) * config.num_attention_heads * config.kv_channels
+
+
 VARIANT = Variant(
     name="standard",
     summary="causal softmax attention (Transformer++ baseline)",
     attention_spec=attention_spec,
     packed_sequences=True,
+    core_flops=standard_core_flops,
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .base import Variant
 from .qk_source import qk_source_attention_spec, validate_qk_source_config
+from .standard import standard_core_flops
 
 
 def attention_spec(config, layer_number: int, backend):
@@ -27,4 +28,7 @@ VARIANT = Variant(
     summary="Q, K from the input token embeddings (before layer 1); V from the layer's input",
     attention_spec=attention_spec,
     validate=validate,
+    core_flops=standard_core_flops,  # Q, K from the token embeddings: same shapes and work
+    qk_from_embeddings=True,
+    hosts=("gpt",),  # the embedding rows ride the batch dimension like the fixed rows
 )

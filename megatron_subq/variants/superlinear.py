@@ -26,8 +26,11 @@ context, attention bias, the output gate, context parallelism.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
+
+import numpy as np
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -36,7 +39,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..attention import SubqCoreAttention, packed_cu_seqlens
 from ..ops import superlinear_attention
-from .base import SpecBackend, Variant
+from .base import SpecBackend, Variant, knob_error
 from .standard import self_attention_spec
 
 
@@ -175,8 +178,38 @@ def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpe
                                linear_qs=backend.column_parallel_linear)
 
 
+def check_knobs(config) -> None:
+    """Ranges of the superlinear_* knobs and the random-context-access rule (whether or not a
+    layer uses superlinear)."""
+    sp, ssp = config.superlinear_search_power, config.superlinear_span_power
+    b, f = config.superlinear_backward_factor, config.superlinear_forward_factor
+    if not (isinstance(sp, (int, float)) and 0.0 < sp <= 1.0):
+        knob_error("superlinear_search_power", sp, "a number in (0, 1]")
+    if not (isinstance(ssp, (int, float)) and 0.0 <= ssp <= 1.0):
+        knob_error("superlinear_span_power", ssp, "a number in [0, 1]")
+    if not isinstance(config.superlinear_topk, int) or config.superlinear_topk < 1:
+        knob_error("superlinear_topk", config.superlinear_topk, "an integer >= 1")
+    if b < 0:
+        knob_error("superlinear_backward_factor", b, "a number >= 0")
+    if f < 0:
+        knob_error("superlinear_forward_factor", f, "a number >= 0")
+    if not isinstance(config.superlinear_sw_index, int) or config.superlinear_sw_index < 0:
+        knob_error("superlinear_sw_index", config.superlinear_sw_index, "an integer >= 0")
+    if not config.superlinear_allow_no_random_access:
+        if sp + ssp < 1.0 - 1e-12:
+            raise ValueError(
+                f"superlinear_search_power={sp} + superlinear_span_power={ssp} < 1 breaks random "
+                "context access (some keys fall in no span); allowed: search_power + span_power "
+                ">= 1, or set superlinear_allow_no_random_access=True")
+        if b < 1.0 / sp - 1e-12:
+            raise ValueError(
+                f"superlinear_backward_factor={b} < "
+                f"1/superlinear_search_power={1.0 / sp:g} breaks random context access; allowed: "
+                "backward_factor >= 1/search_power, or set superlinear_allow_no_random_access=True")
+
+
 def validate(config) -> None:
-    """Cross-field checks for layers that use superlinear (knob ranges: config.py)."""
+    """Cross-field checks for layers that use superlinear (knob ranges: check_knobs)."""
     if config.attention_output_gate:
         raise ValueError("attention_output_gate=True is invalid with superlinear layers: allowed "
                          "False")
@@ -187,10 +220,42 @@ def validate(config) -> None:
             f"allowed >= tensor_model_parallel_size={config.tensor_model_parallel_size}")
 
 
+def superlinear_pairs(cfg, L: int) -> Tuple[float, float]:
+    """(search score evaluations, attended keys) summed over queries, per head.
+
+    Anchors of query i: floor((i+1)^p) candidates minus the floor(w^p) inside the window; top-k
+    kept; each kept anchor attends span U window (span ceil(b l) + 1 + ceil(f l), l = ceil(i^p_sp)),
+    the union counted as the sum capped at i+1; no anchor -> the window alone."""
+    p, psp = cfg.superlinear_search_power, cfg.superlinear_span_power
+    b, f, topk = (cfg.superlinear_backward_factor, cfg.superlinear_forward_factor,
+                  cfg.superlinear_topk)
+    w = cfg.superlinear_window
+    i = np.arange(L, dtype=np.float64)
+    window = np.minimum(i + 1, w)
+    inside = math.floor(w ** p + 1e-9) if w > 0 else 0
+    candidates = np.where(i + 1 > w, np.maximum(np.floor((i + 1) ** p + 1e-9) - inside, 0), 0)
+    kept = np.minimum(candidates, topk)
+    ell = np.ceil(i ** psp)
+    span = np.ceil(b * ell) + 1 + np.ceil(f * ell)
+    keys = np.where(kept > 0, kept * np.minimum(i + 1, span + window), window)
+    return float(candidates.sum()), float(keys.sum())
+
+
+def core_flops(config, L: int) -> float:
+    """The search projection Q_s (hidden -> H*D), the search scores and the attended keys."""
+    H, D = config.num_attention_heads, config.kv_channels
+    scores, keys = superlinear_pairs(config, L)
+    search_projection = 2.0 * L * config.hidden_size * H * D  # Q_s: hidden -> H*D (linear_qs)
+    return search_projection + 2.0 * scores * H * D + 4.0 * keys * H * D
+
+
 VARIANT = Variant(
     name="superlinear",
     summary="Superlinear multi-step attention, N=2: power-law anchor search, top-k spans, gate",
     attention_spec=attention_spec,
     validate=validate,
     packed_sequences=True,
+    knobs=("superlinear_",),
+    check_knobs=check_knobs,
+    core_flops=core_flops,
 )
