@@ -99,7 +99,8 @@ class SubqTransformerConfig(TransformerConfig):
     # ---- deconstructed-attention variants ------------------------------------------------
     mlp_attention_width: Optional[int] = None
     """mlp: inner width f of the gated MLP in the attention slot; None = parameter-matched to
-    standard attention (see ``variants.mlp.matched_width``). Must split over TP."""
+    standard attention, rounded to split over TP (``variants.mlp.matched_width``). Must split
+    over TP."""
     fixed_qk_tokens_file: Optional[str] = None
     """fixed_seq_qk: a file of token ids (whitespace-separated, or .npy) of the fixed text."""
     fixed_qk_seed: int = 1234
