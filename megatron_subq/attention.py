@@ -6,6 +6,11 @@ conversion, the causal-only check and the TP head bookkeeping live here once. Su
 into megatron's ``SelfAttention`` as ``core_attention`` (GPTModel, and MambaStack's attention
 slot, alike).
 
+Process groups: megatron's ``SelfAttention`` hands its ``pg_collection`` to the core; the core
+keeps it (``self.pg_collection``, ``self.tp_group``) and gives ``tp_group`` to what it builds
+(head-sharded parameters, SAS's head gather). Built without one (a test, a script), it takes
+megatron's global groups (``parallel.process_groups``).
+
 Masks: every variant is causal by definition, so the causal ``attention_mask`` that megatron
 passes is implied and not read. Packed sequences (megatron's ``packed_seq_params`` in the THD
 layout: one row of documents back to back, ``cu_seqlens`` marking where each starts) run each
@@ -22,8 +27,9 @@ from typing import Optional
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_pg_size
 
-from .parallel import local_heads, sharded_state_dict_with_head_params
+from .parallel import local_heads, process_groups, sharded_state_dict_with_head_params
 
 
 class SubqCoreAttention(MegatronModule):
@@ -40,13 +46,18 @@ class SubqCoreAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"{type(self).__name__}: attention_type={attention_type!r}; "
                              "allowed: 'self'")
-        if config.context_parallel_size > 1:
-            raise ValueError("context_parallel_size > 1 is not supported by megatron_subq's "
+        self.pg_collection = process_groups(pg_collection)
+        self.tp_group = self.pg_collection.tp
+        cp = max(get_pg_size(getattr(self.pg_collection, "cp", None)),
+                 config.context_parallel_size)
+        if cp > 1:
+            raise ValueError(f"context_parallel_size={cp} is not supported by megatron_subq's "
                              "attention variants yet; allowed: 1")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.num_heads = config.num_attention_heads
-        self.num_heads_local = local_heads(config.num_attention_heads, "num_attention_heads")
+        self.num_heads_local = local_heads(config.num_attention_heads, "num_attention_heads",
+                                           tp_group=self.tp_group)
         self.head_dim = config.kv_channels
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

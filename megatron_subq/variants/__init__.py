@@ -9,7 +9,7 @@ from typing import Dict
 
 from . import (approx, asa, fixed_seq_qk, mlp, nonapprox, ppa, rnd_emb_qk, sas, standard,
                static_emb_qk, superlinear)
-from .base import SpecBackend, Variant
+from .base import Variant
 
 VARIANTS: Dict[str, Variant] = {
     v.name: v
@@ -35,4 +35,4 @@ def packed_sequence_variants() -> list:
     return sorted(name for name, variant in VARIANTS.items() if variant.packed_sequences)
 
 
-__all__ = ["VARIANTS", "Variant", "SpecBackend", "packed_sequence_variants"]
+__all__ = ["VARIANTS", "Variant", "packed_sequence_variants"]

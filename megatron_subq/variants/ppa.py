@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..attention import SubqCoreAttention
 from ..ops.ppa import ppa_attention, ppa_power_fraction
-from .base import SpecBackend, Variant
+from .base import Variant
 from .standard import self_attention_spec
 
 
@@ -26,8 +26,8 @@ class PPACoreAttention(SubqCoreAttention):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the op restarts at each boundary
 
 
-def attention_spec(config, layer_number: int, backend: SpecBackend):
-    return self_attention_spec(PPACoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return self_attention_spec(PPACoreAttention, provider)
 
 
 def validate(config) -> None:

@@ -14,8 +14,8 @@ from .base import Variant
 from .qk_source import SharedMapCoreAttention, qk_source_attention_spec, validate_qk_source_config
 
 
-def attention_spec(config, layer_number: int, backend):
-    return qk_source_attention_spec(SharedMapCoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return qk_source_attention_spec(SharedMapCoreAttention, provider)
 
 
 def validate(config) -> None:
