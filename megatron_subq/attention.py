@@ -65,18 +65,16 @@ class SubqCoreAttention(MegatronModule):
         raise NotImplementedError
 
     def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed sequences: q [1, T, H_local, D], k/v [1, T, H_kv_local, D], ``cu_seqlens``
         ``[0, end_1, ..., T]`` -> [1, T, H_local, D], each document causal on its own. This
-        default runs ``attend`` once per document (``extra``: more per-token inputs of
-        ``attend``, sliced alike); ops that take ``cu_seqlens`` override it."""
+        default runs ``attend`` once per document; ops that take ``cu_seqlens`` override it."""
         bounds = cu_seqlens.tolist()
-        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b],
-                            **{name: x[:, a:b] for name, x in extra.items()})
+        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b])
                 for a, b in zip(bounds, bounds[1:]) if b > a]
         return torch.cat(outs, dim=1)
 
-    def _forward_packed(self, query, key, value, packed_seq_params, **extra):
+    def _forward_packed(self, query, key, value, packed_seq_params):
         name = type(self).__name__
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"{name}: packed_seq_params.qkv_format="
@@ -89,8 +87,7 @@ class SubqCoreAttention(MegatronModule):
         def row(x):  # megatron's THD [t, np, hn] (batch squeezed; [t, 1, np, hn] too) -> [1, t, ..]
             return x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
 
-        out = self.attend_packed(row(query), row(key), row(value), cu,
-                                 **{arg: row(x) for arg, x in extra.items()})[0]  # [t, np, hn]
+        out = self.attend_packed(row(query), row(key), row(value), cu)[0]  # [t, np, hn]
         return out.reshape(out.shape[0], -1)  # [t, np*hn]: megatron adds the batch dim back
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
