@@ -32,6 +32,7 @@ from .slots import HAVE_TE, attention_slot_spec, check_config, get_spec_provider
 
 
 def _norm(config, provider) -> type:
+    """The provider's norm for ``config.normalization`` (TE's and ours read it themselves too)."""
     return provider.layer_norm(rms_norm=config.normalization == "RMSNorm")
 
 
