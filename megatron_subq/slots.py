@@ -42,7 +42,8 @@ class SubqLocalSpecProvider(LocalSpecProvider):
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         """``LocalNorm``: RMSNorm or LayerNorm per ``config.normalization`` (``rms_norm`` is
-        not read), sequence-parallel ready; megatron's local norm refuses SP."""
+        not read); megatron's local ``WrappedTorchNorm`` runs on the CPU but refuses sequence
+        parallelism and zero-centred gamma."""
         return LocalNorm
 
     def core_attention(self) -> type:
