@@ -5,7 +5,9 @@ Public API::
     SubqTransformerConfig      megatron-core TransformerConfig + variant knobs
     VARIANTS                   name -> Variant registry
     Variant, register_variant  one variant as a unit; add one at run time (a plugin)
-    get_gpt_layer_spec, get_gpt_block_spec, build_gpt_model
+    attention_slot_spec        the attention slot of one layer, for any host
+    get_spec_provider          megatron's spec provider: TE's, or local modules + our norm/SDPA
+    get_gpt_layer_spec, get_gpt_block_spec, build_gpt_model   the GPT host
     init_single_process        one-process torch.distributed + megatron parallel state
     ops                        functional [B, T, H, D] attention ops, one per variant
 """
@@ -47,7 +49,8 @@ _warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
 from . import ops  # noqa: E402
 from .config import SubqTransformerConfig  # noqa: E402
 from .initialize import destroy_single_process, init_single_process  # noqa: E402
-from .specs import build_gpt_model, get_backend, get_gpt_block_spec, get_gpt_layer_spec  # noqa: E402
+from .slots import attention_slot_spec, get_spec_provider  # noqa: E402
+from .specs import build_gpt_model, get_gpt_block_spec, get_gpt_layer_spec  # noqa: E402
 from .variants import VARIANTS, Variant, register_variant  # noqa: E402
 
 __version__ = "0.1.0"
@@ -56,11 +59,12 @@ __all__ = [
     "SubqTransformerConfig",
     "VARIANTS",
     "Variant",
+    "attention_slot_spec",
     "build_gpt_model",
     "destroy_single_process",
-    "get_backend",
     "get_gpt_block_spec",
     "get_gpt_layer_spec",
+    "get_spec_provider",
     "init_single_process",
     "ops",
     "register_variant",

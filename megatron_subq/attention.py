@@ -6,6 +6,11 @@ conversion, the causal-only check and the TP head bookkeeping live here once. Su
 into megatron's ``SelfAttention`` as ``core_attention`` (GPTModel, and MambaStack's attention
 slot, alike).
 
+Process groups: megatron's ``SelfAttention`` hands its ``pg_collection`` to the core; the core
+keeps it (``self.pg_collection``, ``self.tp_group``) and gives ``tp_group`` to what it builds
+(head-sharded parameters, SAS's head gather). Built without one (a test, a script), it takes
+megatron's global groups (``parallel.process_groups``).
+
 Masks: every variant is causal by definition, so the causal ``attention_mask`` that megatron
 passes is implied and not read. Packed sequences (megatron's ``packed_seq_params`` in the THD
 layout: one row of documents back to back, ``cu_seqlens`` marking where each starts) run each
@@ -22,8 +27,9 @@ from typing import Optional
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import get_pg_size
 
-from .parallel import local_heads, sharded_state_dict_with_head_params
+from .parallel import local_heads, process_groups, sharded_state_dict_with_head_params
 
 
 class SubqCoreAttention(MegatronModule):
@@ -40,14 +46,18 @@ class SubqCoreAttention(MegatronModule):
         if attention_type != "self":
             raise ValueError(f"{type(self).__name__}: attention_type={attention_type!r}; "
                              "allowed: 'self'")
-        if config.context_parallel_size > 1 and \
-                config.layer_variant(layer_number).context_parallel == "none":
-            raise ValueError("context_parallel_size > 1 is not supported by megatron_subq's "
+        self.pg_collection = process_groups(pg_collection)
+        self.tp_group = self.pg_collection.tp
+        cp = max(get_pg_size(getattr(self.pg_collection, "cp", None)),
+                 config.context_parallel_size)
+        if cp > 1 and config.layer_variant(layer_number).context_parallel == "none":
+            raise ValueError(f"context_parallel_size={cp} is not supported by megatron_subq's "
                              "attention variants yet; allowed: 1")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.num_heads = config.num_attention_heads
-        self.num_heads_local = local_heads(config.num_attention_heads, "num_attention_heads")
+        self.num_heads_local = local_heads(config.num_attention_heads, "num_attention_heads",
+                                           tp_group=self.tp_group)
         self.head_dim = config.kv_channels
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -55,18 +65,16 @@ class SubqCoreAttention(MegatronModule):
         raise NotImplementedError
 
     def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cu_seqlens: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+                      cu_seqlens: torch.Tensor) -> torch.Tensor:
         """Packed sequences: q [1, T, H_local, D], k/v [1, T, H_kv_local, D], ``cu_seqlens``
         ``[0, end_1, ..., T]`` -> [1, T, H_local, D], each document causal on its own. This
-        default runs ``attend`` once per document (``extra``: more per-token inputs of
-        ``attend``, sliced alike); ops that take ``cu_seqlens`` override it."""
+        default runs ``attend`` once per document; ops that take ``cu_seqlens`` override it."""
         bounds = cu_seqlens.tolist()
-        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b],
-                            **{name: x[:, a:b] for name, x in extra.items()})
+        outs = [self.attend(q[:, a:b], k[:, a:b], v[:, a:b])
                 for a, b in zip(bounds, bounds[1:]) if b > a]
         return torch.cat(outs, dim=1)
 
-    def _forward_packed(self, query, key, value, packed_seq_params, **extra):
+    def _forward_packed(self, query, key, value, packed_seq_params):
         name = type(self).__name__
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"{name}: packed_seq_params.qkv_format="
@@ -79,8 +87,7 @@ class SubqCoreAttention(MegatronModule):
         def row(x):  # megatron's THD [t, np, hn] (batch squeezed; [t, 1, np, hn] too) -> [1, t, ..]
             return x.squeeze(1).unsqueeze(0) if x.dim() == 4 else x.unsqueeze(0)
 
-        out = self.attend_packed(row(query), row(key), row(value), cu,
-                                 **{arg: row(x) for arg, x in extra.items()})[0]  # [t, np, hn]
+        out = self.attend_packed(row(query), row(key), row(value), cu)[0]  # [t, np, hn]
         return out.reshape(out.shape[0], -1)  # [t, np*hn]: megatron adds the batch dim back
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,

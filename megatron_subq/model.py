@@ -42,8 +42,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import get_pg_size
 
-from .parallel import tp_world_size
 from .variants import VARIANTS, embedding_qk_variants, fixed_input_variants
 from .variants.fixed_seq_qk import load_fixed_tokens
 from .variants.qk_source import QKSource, QKSourceAttention
@@ -216,7 +216,8 @@ class StreamGPTModel(GPTModel):
 
     def attach_streams(self, embedded: torch.Tensor) -> torch.Tensor:
         """``[s_local, b, h]`` embedding output -> the packed hidden states entering layer 1."""
-        seq = embedded.shape[0] * (tp_world_size() if self.config.sequence_parallel else 1)
+        tp = get_pg_size(self.pg_collection.tp)
+        seq = embedded.shape[0] * (tp if self.config.sequence_parallel else 1)
         parts = [embedded]
         for name in self.entry_layout.fixed_rows:
             parts.append(self.fixed_input(name, seq).to(embedded.dtype))
@@ -233,7 +234,7 @@ class StreamGPTModel(GPTModel):
                                  f"{self.fixed_qk_noise.shape[0]} (the length ε was drawn for)")
             noise = self.fixed_qk_noise[:seq].unsqueeze(1)
             if self.config.sequence_parallel:
-                noise = scatter_to_sequence_parallel_region(noise)
+                noise = scatter_to_sequence_parallel_region(noise, group=self.pg_collection.tp)
             return noise
         if name == "fixed_seq_qk":
             if seq > self.fixed_qk_tokens.numel():

@@ -1,20 +1,19 @@
-"""Layer and block specs: how a GPT layer is assembled from a variant.
+"""The GPT host: a Transformer++ layer around each layer's attention slot, the block, the model.
 
-``get_gpt_layer_spec(config, n)`` is a Transformer++ layer (pre-norm, SwiGLU MLP) whose
-``self_attention`` slot comes from the variant of layer n (``config.layer_variants[n-1]``).
-``get_gpt_block_spec`` returns one such spec per layer of this pipeline stage, so hybrids mix
-variants layer by layer. ``build_gpt_model`` wraps it in megatron-core's ``GPTModel``.
+``get_gpt_layer_spec(config, n)`` is a pre-norm layer (norms, SwiGLU MLP, bias-dropout-adds)
+whose ``self_attention`` slot is ``slots.attention_slot_spec(config, n, provider)``: the variant
+of layer n. ``get_gpt_block_spec`` returns one such spec per layer of this pipeline stage, so
+hybrids mix variants layer by layer. ``build_gpt_model`` wraps it in megatron-core's
+``GPTModel``. ``use_te`` picks the spec provider (``slots.get_spec_provider``).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -29,44 +28,12 @@ from megatron.core.transformer.transformer_layer import (
 
 from .config import SubqTransformerConfig
 from .model import model_class
-from .norm import LocalNorm
-from .variants import VARIANTS, SpecBackend
-from .variants.standard import SDPACoreAttention
-
-try:  # Transformer Engine is an optional accelerator
-    import transformer_engine  # noqa: F401  (availability probe)
-
-    from megatron.core.extensions.transformer_engine import (
-        TEColumnParallelLinear,
-        TEDotProductAttention,
-        TENorm,
-        TERowParallelLinear,
-    )
-
-    HAVE_TE = True
-except ImportError:  # pragma: no cover - depends on the machine
-    HAVE_TE = False
+from .slots import HAVE_TE, attention_slot_spec, check_config, get_spec_provider
 
 
-def get_backend(use_te: Optional[bool] = None) -> SpecBackend:
-    """TE modules when ``use_te`` (default: TE importable and CUDA present), else megatron-core's
-    local modules with our torch-only norm and SDPA core attention."""
-    if use_te is None:
-        use_te = HAVE_TE and torch.cuda.is_available()
-    if use_te:
-        if not HAVE_TE:
-            raise ValueError("use_te=True but transformer_engine is not importable; allowed: "
-                             "use_te=False or None")
-        return SpecBackend(True, TEColumnParallelLinear, TERowParallelLinear, TENorm,
-                           TEDotProductAttention)
-    return SpecBackend(False, ColumnParallelLinear, RowParallelLinear, LocalNorm,
-                       SDPACoreAttention)
-
-
-def _check_config(config) -> None:
-    if not isinstance(config, SubqTransformerConfig):
-        raise TypeError(f"config must be a megatron_subq.SubqTransformerConfig, got "
-                        f"{type(config).__name__}")
+def _norm(config, provider) -> type:
+    """The provider's norm for ``config.normalization`` (TE's and ours read it themselves too)."""
+    return provider.layer_norm(rms_norm=config.normalization == "RMSNorm")
 
 
 class SkippedTransformerLayer(TransformerLayer):
@@ -82,22 +49,20 @@ class SkippedTransformerLayer(TransformerLayer):
 def get_gpt_layer_spec(config: SubqTransformerConfig, layer_number: int,
                        use_te: Optional[bool] = None) -> ModuleSpec:
     """The spec of layer ``layer_number`` (1-based, global over pipeline stages)."""
-    _check_config(config)
-    if not 1 <= layer_number <= config.num_layers:
-        raise ValueError(f"layer_number={layer_number} is invalid: allowed 1..num_layers="
-                         f"{config.num_layers}")
-    backend = get_backend(use_te)
-    variant = VARIANTS[config.layer_variants[layer_number - 1]]
+    provider = get_spec_provider(use_te)
+    self_attention = attention_slot_spec(config, layer_number, provider)  # checks the arguments
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
-        linear_fc1=backend.column_parallel_linear, linear_fc2=backend.row_parallel_linear))
-    skipped = config.skip_variant_layers and variant.name != "standard"
+        linear_fc1=provider.column_parallel_linear(),
+        linear_fc2=provider.row_parallel_linear()))
+    skipped = (config.skip_variant_layers
+               and config.layer_variants[layer_number - 1] != "standard")
     return ModuleSpec(
         module=SkippedTransformerLayer if skipped else TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=backend.norm,
-            self_attention=variant.attention_spec(config, layer_number, backend),
+            input_layernorm=_norm(config, provider),
+            self_attention=self_attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=backend.norm,
+            pre_mlp_layernorm=_norm(config, provider),
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
@@ -108,7 +73,7 @@ def get_gpt_block_spec(config: SubqTransformerConfig, use_te: Optional[bool] = N
                        vp_stage: Optional[int] = None,
                        pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
     """One layer spec per layer built on this pipeline stage (all layers without PP)."""
-    _check_config(config)
+    check_config(config)
     if config.pipeline_model_parallel_layout is not None:
         raise ValueError("pipeline_model_parallel_layout is not supported by megatron_subq's "
                          "block spec; allowed: None (even split, or first/last-stage layer counts)")
@@ -120,7 +85,7 @@ def get_gpt_block_spec(config: SubqTransformerConfig, use_te: Optional[bool] = N
     layer_specs = [get_gpt_layer_spec(config, n, use_te)
                    for n in range(offset + 1, offset + count + 1)]
     return TransformerBlockSubmodules(layer_specs=layer_specs,
-                                      layer_norm=get_backend(use_te).norm)
+                                      layer_norm=_norm(config, get_spec_provider(use_te)))
 
 
 def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence_length: int,
@@ -131,7 +96,7 @@ def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence
     Defaults are Transformer++'s: RoPE, untied embeddings; this pipeline stage's pre/post
     processing. Any ``GPTModel`` argument can be passed through ``gpt_kwargs``.
     """
-    _check_config(config)
+    check_config(config)
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r} is invalid: allowed a positive integer")
     if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
@@ -155,3 +120,7 @@ def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence
         vp_stage=vp_stage,
         **gpt_kwargs,
     )
+
+
+__all__ = ["HAVE_TE", "SkippedTransformerLayer", "build_gpt_model", "get_gpt_block_spec",
+           "get_gpt_layer_spec"]

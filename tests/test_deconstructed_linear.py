@@ -306,7 +306,7 @@ def _attention_block(cfg, variant):
 
     import megatron_subq as subq
 
-    spec = subq.VARIANTS[variant].attention_spec(cfg, 1, subq.get_backend(False))
+    spec = subq.VARIANTS[variant].attention_spec(cfg, 1, subq.get_spec_provider(False))
     return build_module(spec, config=cfg, layer_number=1)
 
 

@@ -109,6 +109,24 @@ def test_te_spec_path():
     assert spec.submodules.input_layernorm.__name__ == "TENorm"
 
 
+def test_attention_slot_spec_fills_the_gpt_layers_slot():
+    """The host-agnostic slot builder gives each layer its variant's spec, from megatron's spec
+    provider protocol; the GPT layer puts exactly that in its self_attention slot."""
+    from megatron.core.models.backends import LocalSpecProvider
+
+    cfg = subq.SubqTransformerConfig(**{**BASE, "layer_pattern": ["asa", "standard"]})
+    provider = subq.get_spec_provider(use_te=False)
+    assert isinstance(provider, LocalSpecProvider)
+    assert provider.layer_norm(rms_norm=True).__name__ == "LocalNorm"
+    slots = [subq.attention_slot_spec(cfg, n, provider) for n in (1, 2)]
+    assert slots[0].submodules.core_attention.__name__ == "ASACoreAttention"
+    assert slots[1].submodules.core_attention is provider.core_attention()
+    for n, slot in enumerate(slots, start=1):
+        assert subq.get_gpt_layer_spec(cfg, n, use_te=False).submodules.self_attention == slot
+    with pytest.raises(ValueError, match="layer_number=3"):
+        subq.attention_slot_spec(cfg, 3, provider)
+
+
 def test_use_te_without_te_is_a_clear_error():
     from megatron_subq.specs import HAVE_TE
     if HAVE_TE:

@@ -233,11 +233,11 @@ def test_config_accepts_rational_powers():
 
 
 def test_core_attention_module_matches_the_op():
-    from megatron_subq.specs import get_backend
+    from megatron_subq.slots import get_spec_provider
     from megatron_subq.variants.ppa import PPACoreAttention
 
     config = _config(ppa_power=0.5, ppa_window=1)
-    spec = VARIANTS["ppa"].attention_spec(config, 1, get_backend(use_te=False))
+    spec = VARIANTS["ppa"].attention_spec(config, 1, get_spec_provider(use_te=False))
     assert spec.submodules.core_attention is PPACoreAttention
     core = PPACoreAttention(config, layer_number=1)
     assert not list(core.parameters())

@@ -311,9 +311,36 @@ def _reinit(tp: int) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
+def explicit_tp_group_core() -> dict:
+    """Under a global TP=1, a core handed a 2-rank ``pg_collection.tp`` shards its weights and
+    gathers its heads over that group: each rank computes its heads of the TP=1 core's output."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_subq.variants.sas import SASCoreAttention
+
+    cfg = subq.SubqTransformerConfig(**{**BASE, "num_query_groups": 2, "sas_heads": 8,
+                                        "sas_head_dim": 24, "sas_kernel": 3})
+    groups = ProcessGroupCollection(tp=torch.distributed.group.WORLD,
+                                    cp=parallel_state.get_context_parallel_group())
+    torch.manual_seed(0)
+    full = SASCoreAttention(cfg, layer_number=1)  # the global groups: TP=1
+    torch.manual_seed(0)
+    part = SASCoreAttention(cfg, layer_number=1, pg_collection=groups)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 2, h, 16, generator=g) for h in (4, 2, 2))
+    r = torch.distributed.get_rank()
+    with torch.no_grad():
+        ref = full(q, k, v, None)[..., 32 * r:32 * (r + 1)]
+        got = part(q[:, :, 2 * r:2 * r + 2], k[:, :, r:r + 1], v[:, :, r:r + 1], None)
+    return {"ref": ref, "got": got, "local_heads": part.num_heads_local,
+            "conv_res": tuple(part.q_expansion.conv_res.shape)}
+
+
 def two_rank_world(ckpt_dir: str) -> dict:
     """One 2-rank world: TP=1 (DP=2), TP=2 and TP=2+SP steps of TP_CASE, then checkpoints
-    saved at TP=2 / loaded at TP=1 and saved at TP=1 / loaded at TP=2."""
+    saved at TP=2 / loaded at TP=1 and saved at TP=1 / loaded at TP=2; and a core on explicit
+    process groups."""
     from megatron_subq.testing.checkpoint import reshard_tp2_tp1_tp2
     from megatron_subq.testing.equivalence import tiny_gpt_step
 
@@ -326,6 +353,8 @@ def two_rank_world(ckpt_dir: str) -> dict:
     out["tp2_sp"] = tiny_gpt_step({**TP_CASE, "sequence_parallel": True})
     ckpt = {"attention_variant": "sas", "sas_heads": 8, "sas_head_dim": 24, "sas_kernel": 3}
     out["resharded"] = reshard_tp2_tp1_tp2(ckpt, ckpt_dir)
+    _reinit(1)
+    out["explicit_groups"] = explicit_tp_group_core()
     return out
 
 
@@ -352,6 +381,13 @@ def test_tp2_equals_tp1_kernel3_one_kv_head_biases(two_ranks, mode):
 
 def test_checkpoint_reshards_tp2_tp1_tp2(two_ranks):
     assert_resharded([res["resharded"] for res in two_ranks])
+
+
+def test_core_uses_the_process_groups_it_is_given(two_ranks):
+    for res in two_ranks:
+        r = res["explicit_groups"]
+        assert r["local_heads"] == 2 and r["conv_res"] == (2, 2, 8, 3)  # half of H=4 heads
+        torch.testing.assert_close(r["got"], r["ref"], rtol=1e-5, atol=1e-6)
 
 
 def one_rank_world(steps: int) -> dict:

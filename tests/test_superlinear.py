@@ -382,7 +382,7 @@ def test_core_attention_matches_op():
     s, b = 11, 2
     q, q_s = torch.randn(s, b, 4, 16), torch.randn(s, b, 4, 16)
     k, v = torch.randn(s, b, 2, 16), torch.randn(s, b, 2, 16)
-    out = core(q, k, v, None, search_query=q_s)
+    out = core(torch.cat([q, q_s], dim=2), k, v, None)  # the search queries after the query heads
     ref = ops.superlinear_attention(q.transpose(0, 1), q_s.transpose(0, 1), k.transpose(0, 1),
                                     v.transpose(0, 1), sw_index=1, topk=3)
     torch.testing.assert_close(out, ref.transpose(0, 1).reshape(s, b, 64))
@@ -410,12 +410,13 @@ def module_and_training(steps: int) -> dict:
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_subq.specs import get_backend
+    from megatron_subq.slots import get_spec_provider
     from megatron_subq.testing.equivalence import TINY, fit_repeating_batch
     from megatron_subq.variants.superlinear import SuperlinearSelfAttention, attention_spec
 
     cfg = subq.SubqTransformerConfig(**{**TINY, **SUPERLINEAR, "superlinear_topk": 3})
-    attn = build_module(attention_spec(cfg, 1, get_backend(False)), config=cfg, layer_number=1)
+    attn = build_module(attention_spec(cfg, 1, get_spec_provider(False)), config=cfg,
+                        layer_number=1)
     assert isinstance(attn, SuperlinearSelfAttention)
     s, b = 20, 2
     x = torch.randn(s, b, cfg.hidden_size)

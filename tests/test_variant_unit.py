@@ -134,8 +134,8 @@ class MeanVCoreAttention(SubqCoreAttention):
         return mean_v_attention(q, k, v)
 
 
-def attention_spec(config, layer_number, backend):
-    return self_attention_spec(MeanVCoreAttention, backend)
+def attention_spec(config, layer_number, provider):
+    return self_attention_spec(MeanVCoreAttention, provider)
 
 
 def core_flops(config, L):

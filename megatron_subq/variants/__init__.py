@@ -11,7 +11,7 @@ from typing import Dict
 
 from . import (approx, asa, fixed_seq_qk, mlp, nonapprox, ppa, rnd_emb_qk, sas, standard,
                static_emb_qk, superlinear)
-from .base import SpecBackend, Variant
+from .base import Variant
 
 VARIANTS: Dict[str, Variant] = {
     v.name: v
@@ -66,5 +66,5 @@ def packed_sequence_variants() -> list:
     return sorted(name for name, variant in VARIANTS.items() if variant.packed_sequences)
 
 
-__all__ = ["VARIANTS", "Variant", "SpecBackend", "embedding_qk_variants", "fixed_input_variants",
+__all__ = ["VARIANTS", "Variant", "embedding_qk_variants", "fixed_input_variants",
            "packed_sequence_variants", "register_variant", "unregister_variant"]

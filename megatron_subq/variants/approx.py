@@ -30,8 +30,8 @@ class ApproxCoreAttention(SubqCoreAttention):
         return approx_attention(q, k, v, impl=self.config.subq_impl)
 
 
-def attention_spec(config, layer_number: int, backend):
-    return self_attention_spec(ApproxCoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return self_attention_spec(ApproxCoreAttention, provider)
 
 
 def validate(config) -> None:

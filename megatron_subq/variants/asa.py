@@ -47,8 +47,10 @@ class ASACoreAttention(SubqCoreAttention):
         def init(master: torch.Tensor) -> None:
             torch.nn.init.normal_(master, mean=0.0, std=std)
 
-        self.p_q = head_sharded_parameter(full_shape, init, config.params_dtype, device)
-        self.p_k = head_sharded_parameter(full_shape, init, config.params_dtype, device)
+        self.p_q = head_sharded_parameter(full_shape, init, config.params_dtype, device,
+                                          tp_group=self.tp_group)
+        self.p_k = head_sharded_parameter(full_shape, init, config.params_dtype, device,
+                                          tp_group=self.tp_group)
 
     def attend(self, q, k, v, cu_seqlens=None):
         return asa_attention(q, k, v, self.p_q, self.p_k, normalize=self.config.asa_normalize,
@@ -58,8 +60,8 @@ class ASACoreAttention(SubqCoreAttention):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the state restarts per document
 
 
-def attention_spec(config, layer_number: int, backend):
-    return self_attention_spec(ASACoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return self_attention_spec(ASACoreAttention, provider)
 
 
 def check_knobs(config) -> None:

@@ -8,17 +8,6 @@ from typing import Callable, Optional, Tuple
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 
-@dataclass(frozen=True)
-class SpecBackend:
-    """The module classes a spec is assembled from: megatron-core's local modules, or TE's."""
-
-    use_te: bool
-    column_parallel_linear: type
-    row_parallel_linear: type
-    norm: type
-    core_attention: type  # softmax attention of the standard variant
-
-
 def _no_checks(config) -> None:
     return None
 
@@ -45,10 +34,15 @@ HOSTS = ("gpt", "hybrid")
 class Variant:
     """One attention variant: everything the rest of the code asks about it.
 
-    ``attention_spec(config, layer_number, backend)`` returns the ``ModuleSpec`` that fills the
-    transformer layer's ``self_attention`` slot: usually megatron's ``SelfAttention`` with the
+    ``attention_spec(config, layer_number, provider)`` returns the ``ModuleSpec`` that fills the
+    transformer layer's ``self_attention`` slot, from the module classes of ``provider`` (a
+    megatron-core ``BackendSpecProvider``: ``column_parallel_linear()``, ``row_parallel_linear()``,
+    ``core_attention()``, ``layer_norm()``): usually megatron's ``SelfAttention`` with the
     variant's ``core_attention``, or a module of the variant's own where it needs its own
-    projections. It must not depend on ``GPTModel`` so it fits ``MambaStack``'s attention slot.
+    projections. Its modules take their process groups from the ``pg_collection`` megatron hands
+    them and do not depend on ``GPTModel``, so the spec fits any host's attention slot
+    (``slots.attention_slot_spec``); the Q/K-source variants also need the GPT host's stream
+    layers (``model.StreamTransformerLayer``).
 
     Configuration (``SubqTransformerConfig.__post_init__`` calls these; each raises
     ``ValueError`` naming the field and the allowed values):

@@ -70,8 +70,8 @@ def load_fixed_tokens(path) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def attention_spec(config, layer_number: int, backend):
-    return qk_source_attention_spec(SharedMapCoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return qk_source_attention_spec(SharedMapCoreAttention, provider)
 
 
 def validate(config) -> None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..parallel import process_groups
 from .base import Variant, knob_error
 
 MATCH_TOLERANCE = 0.005
@@ -97,7 +98,7 @@ class GatedMLPAttention(MLP):
         block_config.glu_linear_offset = 0.0
         block_config.activation_func_clamp_value = None
         super().__init__(block_config, submodules, ffn_hidden_size=width,
-                         tp_group=getattr(pg_collection, "tp", None))
+                         tp_group=process_groups(pg_collection).tp)
         self.layer_number = layer_number
         self.width = width
 
@@ -105,9 +106,9 @@ class GatedMLPAttention(MLP):
         return super().forward(hidden_states)
 
 
-def attention_spec(config, layer_number: int, backend) -> ModuleSpec:
+def attention_spec(config, layer_number: int, provider) -> ModuleSpec:
     return ModuleSpec(module=GatedMLPAttention, submodules=MLPSubmodules(
-        linear_fc1=backend.column_parallel_linear, linear_fc2=backend.row_parallel_linear))
+        linear_fc1=provider.column_parallel_linear(), linear_fc2=provider.row_parallel_linear()))
 
 
 def check_knobs(config) -> None:

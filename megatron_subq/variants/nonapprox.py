@@ -47,8 +47,8 @@ class NoRopeSelfAttention(SelfAttention):
                                inference_context=inference_context, **kwargs)
 
 
-def attention_spec(config, layer_number: int, backend):
-    return dataclasses.replace(self_attention_spec(NonapproxCoreAttention, backend),
+def attention_spec(config, layer_number: int, provider):
+    return dataclasses.replace(self_attention_spec(NonapproxCoreAttention, provider),
                                module=NoRopeSelfAttention)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..attention import SubqCoreAttention
 from ..ops.ppa import ppa_attention, ppa_offsets, ppa_power_fraction
-from .base import SpecBackend, Variant, knob_error
+from .base import Variant, knob_error
 from .standard import self_attention_spec
 
 
@@ -28,8 +28,8 @@ class PPACoreAttention(SubqCoreAttention):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the op restarts at each boundary
 
 
-def attention_spec(config, layer_number: int, backend: SpecBackend):
-    return self_attention_spec(PPACoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return self_attention_spec(PPACoreAttention, provider)
 
 
 def check_knobs(config) -> None:

@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.transformer.attention import Attention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..attention import SubqCoreAttention
 from ..ops import shared_map_attention
-from .base import SpecBackend
 
 
 @dataclass
@@ -149,15 +149,16 @@ class QKSourceAttention(Attention):
         self.linear_proj.backward_dw()
 
 
-def qk_source_attention_spec(core_attention: type, backend: SpecBackend) -> ModuleSpec:
+def qk_source_attention_spec(core_attention: type, provider: BackendSpecProvider) -> ModuleSpec:
+    """``QKSourceAttention`` around ``core_attention``, its linears from ``provider``."""
     return ModuleSpec(
         module=QKSourceAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=QKSourceAttentionSubmodules(
-            linear_qk=backend.column_parallel_linear,
-            linear_v=backend.column_parallel_linear,
+            linear_qk=provider.column_parallel_linear(),
+            linear_v=provider.column_parallel_linear(),
             core_attention=core_attention,
-            linear_proj=backend.row_parallel_linear,
+            linear_proj=provider.row_parallel_linear(),
         ),
     )
 

@@ -15,8 +15,8 @@ from .qk_source import SharedMapCoreAttention, qk_source_attention_spec, validat
 from .standard import standard_core_flops
 
 
-def attention_spec(config, layer_number: int, backend):
-    return qk_source_attention_spec(SharedMapCoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return qk_source_attention_spec(SharedMapCoreAttention, provider)
 
 
 def validate(config) -> None:

@@ -39,13 +39,13 @@ import math
 from typing import Callable, Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from ..attention import SubqCoreAttention
 from ..ops.sas import SASBranchWeights, sas_simulated_attention
 from ..parallel import (
     head_sharded_parameter,
+    process_groups,
     sharded_state_dict_with_head_params,
     tp_rank,
     tp_replicated,
@@ -61,7 +61,8 @@ def _fan_in_uniform(fan_in: int) -> Callable[[torch.Tensor], None]:
 
 
 class SASExpansion(torch.nn.Module):
-    """The weights of one expansion (q, k: heads and features; v: heads only), TP-laid out.
+    """The weights of one expansion (q, k: heads and features; v: heads only), TP-laid out over
+    ``tp_group`` (default: megatron's global TP group).
 
     Parameters (H heads, Ĥ simulated, kernel k, N = TP size):
       ``conv_in``  ``[Ĥ, H, k]``            replicated
@@ -72,10 +73,11 @@ class SASExpansion(torch.nn.Module):
     """
 
     def __init__(self, num_heads: int, sim_heads: int, head_dim: int, sim_head_dim: Optional[int],
-                 kernel: int, bias: bool, dtype: torch.dtype, device=None):
+                 kernel: int, bias: bool, dtype: torch.dtype, device=None, tp_group=None):
         super().__init__()
         H, Hs, k = num_heads, sim_heads, kernel
         self.num_heads, self.sim_heads = H, Hs
+        self.tp_group = process_groups().tp if tp_group is None else tp_group
 
         def replicated(shape, fan_in):
             master = torch.empty(shape, dtype=torch.float32)
@@ -94,10 +96,10 @@ class SASExpansion(torch.nn.Module):
         self.conv_in = replicated((Hs, H, k), H * k)
         self.conv_res = head_sharded_parameter((H, Hs // H, Hs, k),
                                                by_output_head(_fan_in_uniform(Hs * k)), dtype,
-                                               device)
+                                               device, tp_group=self.tp_group)
         self.conv_in_bias = replicated((Hs,), H * k) if bias else None
         self.conv_res_bias = (head_sharded_parameter((H, Hs // H), by_output_head(
-            _fan_in_uniform(Hs * k)), dtype, device) if bias else None)
+            _fan_in_uniform(Hs * k)), dtype, device, tp_group=self.tp_group) if bias else None)
         self.lin = self.lin_res = self.lin_bias = self.lin_res_bias = None
         if sim_head_dim is not None:
             self.lin = replicated((sim_head_dim, head_dim), head_dim)
@@ -108,7 +110,7 @@ class SASExpansion(torch.nn.Module):
 
     def local_weights(self) -> SASBranchWeights:
         """The op's weights for this rank's simulated heads, in (local head, group) order."""
-        rep = lambda p: None if p is None else tp_replicated(p)  # noqa: E731
+        rep = lambda p: None if p is None else tp_replicated(p, self.tp_group)  # noqa: E731
         return SASBranchWeights(
             conv_in=rep(self.conv_in),
             conv_res=self.conv_res.reshape(-1, self.sim_heads, self.conv_res.shape[-1]),
@@ -119,7 +121,7 @@ class SASExpansion(torch.nn.Module):
 
     def paper_weights(self) -> SASBranchWeights:
         """All weights in the paper's numbering (TP=1 only): what ``ops.sas_attention`` takes."""
-        if tp_world_size() != 1:
+        if tp_world_size(self.tp_group) != 1:
             raise RuntimeError("paper_weights() needs the full conv_res: call it at TP=1")
         Hs = self.sim_heads
 
@@ -134,14 +136,14 @@ class SASExpansion(torch.nn.Module):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
 
 
-def _gather_heads(x: torch.Tensor) -> torch.Tensor:
-    """All-gather ``[B, T, h, D]`` over TP along heads (rank order); backward: reduce-scatter."""
-    if tp_world_size() == 1:
+def _gather_heads(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """All-gather ``[B, T, h, D]`` over ``tp_group`` along heads (rank order); backward:
+    reduce-scatter."""
+    if tp_world_size(tp_group) == 1:
         return x
     heads_first = x.permute(2, 0, 1, 3).contiguous()  # megatron gathers along dim 0
     full = gather_from_sequence_parallel_region(
-        heads_first, tensor_parallel_output_grad=True,
-        group=parallel_state.get_tensor_model_parallel_group())
+        heads_first, tensor_parallel_output_grad=True, group=tp_group)
     return full.permute(1, 2, 0, 3)
 
 
@@ -160,13 +162,14 @@ class SASCoreAttention(SubqCoreAttention):
         if torch.cuda.is_available() and not config.use_cpu_initialization:
             device = torch.cuda.current_device()
         common = dict(num_heads=H, sim_heads=Hs, head_dim=D, kernel=config.sas_kernel,
-                      bias=config.add_bias_linear, dtype=config.params_dtype, device=device)
+                      bias=config.add_bias_linear, dtype=config.params_dtype, device=device,
+                      tp_group=self.tp_group)
         self.q_expansion = SASExpansion(sim_head_dim=config.sas_head_dim, **common)
         self.k_expansion = SASExpansion(sim_head_dim=config.sas_head_dim, **common)
         self.v_expansion = SASExpansion(sim_head_dim=None, **common)
         # This rank's simulated heads, ordered (local head h, group g) like conv_res's rows:
         # paper index g·H + h.
-        first = tp_rank() * self.num_heads_local
+        first = tp_rank(self.tp_group) * self.num_heads_local
         self.register_buffer("owned_heads", torch.tensor(
             [g * H + h for h in range(first, first + self.num_heads_local)
              for g in range(Hs // H)], dtype=torch.long), persistent=False)
@@ -176,7 +179,7 @@ class SASCoreAttention(SubqCoreAttention):
             raise NotImplementedError("SASCoreAttention: queries and keys of different lengths "
                                       "(KV-cache decode) are not supported yet")
         B, T = q.shape[:2]
-        q_all, k_all, v_all = _gather_heads(q), _gather_heads(k), _gather_heads(v)
+        q_all, k_all, v_all = (_gather_heads(x, self.tp_group) for x in (q, k, v))
         out = sas_simulated_attention(
             q_all, k_all, v_all, self.q_expansion.local_weights(),
             self.k_expansion.local_weights(), self.v_expansion.local_weights(),
@@ -186,8 +189,8 @@ class SASCoreAttention(SubqCoreAttention):
         return out.view(B, T, self.num_heads_local, groups, out.shape[-1]).mean(dim=3)
 
 
-def attention_spec(config, layer_number: int, backend):
-    return self_attention_spec(SASCoreAttention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return self_attention_spec(SASCoreAttention, provider)
 
 
 def check_knobs(config) -> None:

@@ -7,6 +7,7 @@ Transformer Engine, TE's fused attention is used instead.
 
 from __future__ import annotations
 
+from megatron.core.models.backends import BackendSpecProvider
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -14,7 +15,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..attention import SubqCoreAttention
 from ..ops import standard_attention
-from .base import SpecBackend, Variant, causal_pairs
+from .base import Variant, causal_pairs
 
 
 class SDPACoreAttention(SubqCoreAttention):
@@ -26,9 +27,11 @@ class SDPACoreAttention(SubqCoreAttention):
                                   impl=self.config.subq_impl)
 
 
-def self_attention_spec(core_attention: type, backend: SpecBackend, module: type = SelfAttention,
-                        submodules: type = SelfAttentionSubmodules, **extra) -> ModuleSpec:
-    """megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel output) around a core.
+def self_attention_spec(core_attention: type, provider: BackendSpecProvider,
+                        module: type = SelfAttention, submodules: type = SelfAttentionSubmodules,
+                        **extra) -> ModuleSpec:
+    """megatron's ``SelfAttention`` (fused QKV, RoPE, GQA, row-parallel output) around a core,
+    its linears from ``provider``.
 
     A variant with projections of its own passes its ``SelfAttention`` subclass, its submodules
     dataclass and the extra submodules (Superlinear: ``linear_qs``)."""
@@ -36,9 +39,9 @@ def self_attention_spec(core_attention: type, backend: SpecBackend, module: type
         module=module,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=submodules(
-            linear_qkv=backend.column_parallel_linear,
+            linear_qkv=provider.column_parallel_linear(),
             core_attention=core_attention,
-            linear_proj=backend.row_parallel_linear,
+            linear_proj=provider.row_parallel_linear(),
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
             **extra,
@@ -46,8 +49,9 @@ def self_attention_spec(core_attention: type, backend: SpecBackend, module: type
     )
 
 
-def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpec:
-    return self_attention_spec(backend.core_attention, backend)
+def attention_spec(config, layer_number: int, provider: BackendSpecProvider) -> ModuleSpec:
+    """megatron's ``SelfAttention`` around the provider's softmax core (SDPA, or TE's)."""
+    return self_attention_spec(provider.core_attention(), provider)
 
 
 def standard_core_flops(config, L: int) -> float:

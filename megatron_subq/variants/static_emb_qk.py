@@ -5,7 +5,7 @@ embedding output before layer 1, through this layer's own input norm and Q/K pro
 the layer's input. The map is input dependent but not contextualised. ``e`` reaches every such
 layer as extra batch rows of the hidden states (``megatron_subq.model``), so it also crosses
 pipeline stages and is sequence-sharded under SP like the hidden states. The core is the
-backend's causal softmax attention (SDPA / TE).
+spec provider's causal softmax attention (SDPA / TE).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from .qk_source import qk_source_attention_spec, validate_qk_source_config
 from .standard import standard_core_flops
 
 
-def attention_spec(config, layer_number: int, backend):
-    return qk_source_attention_spec(backend.core_attention, backend)
+def attention_spec(config, layer_number: int, provider):
+    return qk_source_attention_spec(provider.core_attention(), provider)
 
 
 def validate(config) -> None:

@@ -5,6 +5,11 @@ Superlinear needs a projection of its own, the search query ``Q_s``, so it is no
 projection, GQA, RoPE, row-parallel output projection ``linear_proj``) plus ``linear_qs``, a
 column-parallel ``hidden -> H * D`` projection whose output heads line up with the query heads.
 
+* Route: ``get_query_key_value_tensors`` appends this rank's search queries to its query heads
+  (``query`` is ``[s, b, 2·np, hn]``: the np query heads, then their np search queries), so
+  megatron's own ``SelfAttention.forward`` applies the query's RoPE to both, handles packed (THD)
+  sequences and recompute, and hands them to ``SuperlinearCoreAttention``, which splits them in
+  ``attend`` after ``SubqCoreAttention``'s one ``[s, b, h, d]`` -> ``[B, T, H, D]`` conversion.
 * TP: ``linear_qs`` is split over TP by output rows exactly like the query part of ``linear_qkv``
   (rank r holds the search queries of its H/N query heads), so the op runs on local heads with no
   communication of its own; its ``sharded_state_dict`` is megatron's ColumnParallelLinear one
@@ -20,8 +25,8 @@ column-parallel ``hidden -> H * D`` projection whose output heads line up with t
   attention logit; an unrotated Q_s would see the absolute position t of the anchor.
 * Init: ``config.init_method``, the scheme of the other query weights (the paper's choice).
 
-Not supported (clear errors): packed sequences, KV-cache inference through megatron's inference
-context, attention bias, the output gate, context parallelism.
+Not supported (clear errors): KV-cache inference through megatron's inference context, cross
+attention, attention bias, the output gate, the fused QKV RoPE, context parallelism.
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+import torch
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from ..attention import SubqCoreAttention, packed_cu_seqlens
+from ..attention import SubqCoreAttention
 from ..ops import superlinear_attention
-from .base import SpecBackend, Variant, knob_error
+from .base import Variant, knob_error
 from .standard import self_attention_spec
 
 
@@ -53,8 +58,11 @@ def superlinear_knobs(config) -> dict:
 
 
 class SuperlinearCoreAttention(SubqCoreAttention):
-    """``ops.superlinear_attention`` on this rank's heads; takes the search query as well.
-    Packed sequences: the op once per document (the default ``attend_packed``)."""
+    """``ops.superlinear_attention`` on this rank's heads.
+
+    Its ``query`` carries the search queries after the query heads (``[.., 2·np, hn]``, as
+    ``SuperlinearSelfAttention`` builds it); ``attend`` splits them. Packed sequences: the op
+    once per document (the default ``attend_packed``)."""
 
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
@@ -62,26 +70,16 @@ class SuperlinearCoreAttention(SubqCoreAttention):
             raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for superlinear: "
                              "allowed None (span attention uses 1/sqrt(kv_channels))")
 
-    def attend(self, q, k, v, q_s=None):
-        if q_s is None:
-            raise ValueError("SuperlinearCoreAttention needs the search query q_s")
+    def attend(self, q, k, v):
+        """q: [B, T, 2·np, D] (query heads, then the search queries q_s), k/v: [B, T, ng, D]."""
+        np_ = self.num_heads_local
+        if q.shape[2] != 2 * np_:
+            raise ValueError(f"SuperlinearCoreAttention: the query must carry {np_} query heads "
+                             f"and then their {np_} search_query heads ({2 * np_} in all), got "
+                             f"{q.shape[2]}")
+        q, q_s = q[:, :, :np_], q[:, :, np_:]
         return superlinear_attention(q, q_s, k, v, **superlinear_knobs(self.config),
                                      impl=self.config.subq_impl)
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, search_query=None):
-        # query, search_query: [s, b, np, hn]; key/value: [s, b, ng, hn] (packed: [t, np, hn])
-        if attention_bias is not None:
-            raise ValueError("superlinear: attention_bias is not supported")
-        if search_query is None or search_query.shape != query.shape:
-            raise ValueError("superlinear: search_query must have the query's shape "
-                             f"{tuple(query.shape)}, got "
-                             f"{None if search_query is None else tuple(search_query.shape)}")
-        if packed_seq_params is not None:
-            return self._forward_packed(query, key, value, packed_seq_params, q_s=search_query)
-        q, q_s, k, v = (x.transpose(0, 1) for x in (query, search_query, key, value))
-        out = self.attend(q, k, v, q_s=q_s).transpose(0, 1)  # [s, b, np, hn]
-        return out.reshape(out.shape[0], out.shape[1], -1)
 
 
 @dataclass
@@ -92,7 +90,8 @@ class SuperlinearSelfAttentionSubmodules(SelfAttentionSubmodules):
 
 
 class SuperlinearSelfAttention(SelfAttention):
-    """Self-attention with a search query: QKV and Q_s projections, RoPE, the op, output proj."""
+    """megatron's ``SelfAttention`` with the search-query projection ``linear_qs``: its forward
+    is megatron's; the search queries ride along the query heads (module docstring)."""
 
     def __init__(self, config, submodules: SuperlinearSelfAttentionSubmodules, layer_number: int,
                  attn_mask_type=AttnMaskType.causal, cp_comm_type: Optional[str] = None,
@@ -121,50 +120,26 @@ class SuperlinearSelfAttention(SelfAttention):
         q_s, _ = self.linear_qs(hidden_states)
         return q_s.view(q_s.shape[0], q_s.shape[1], -1, self.hidden_size_per_attention_head)
 
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None,
+                                    output_gate: bool = False, split_qkv: bool = True):
+        """megatron's q, k, v, with the search queries appended to the query heads:
+        q ``[s, b, 2·np, hn]``, k/v ``[s, b, ng, hn]``."""
+        if key_value_states is not None or output_gate or not split_qkv:
+            raise ValueError("superlinear: cross attention, attention_output_gate and "
+                             "fused_single_qkv_rope are not supported; allowed: self-attention "
+                             "with separate q, k, v")
+        query, key, value = super().get_query_key_value_tensors(hidden_states, key_value_states)
+        return torch.cat([query, self.get_search_query(hidden_states)], dim=2), key, value
+
     def forward(self, hidden_states, attention_mask, key_value_states=None,
-                inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
-                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
-                packed_seq_params=None, sequence_len_offset=None, *, inference_params=None):
-        """hidden_states [s, b, hidden] -> (output [s, b, hidden], bias)."""
+                inference_context=None, *args, inference_params=None, **kwargs):
+        """megatron's ``SelfAttention.forward``, refusing what the module does not support."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("superlinear: megatron's inference context (KV cache) is "
                                       "not supported by this module yet")
         if key_value_states is not None:
             raise ValueError("superlinear: key_value_states (cross attention) is not supported")
-        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"superlinear: packed_seq_params.qkv_format="
-                             f"{packed_seq_params.qkv_format!r}; allowed: 'thd'")
-        if any(x is not None for x in (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin)):
-            raise ValueError("superlinear: precomputed rotary cos/sin (inference) are not supported")
-
-        query, key, value = self.get_query_key_value_tensors(hidden_states, key_value_states)
-        search_query = self.get_search_query(hidden_states)
-        cu_seqlens = None
-        if packed_seq_params is not None:  # THD as megatron's Attention: [t, 1, ..] -> [t, ..]
-            query, key, value, search_query = (x.squeeze(1)
-                                               for x in (query, key, value, search_query))
-            cu_seqlens = packed_cu_seqlens(packed_seq_params)  # RoPE restarts per document
-
-        no_rope = (self.config.no_rope_freq[self.layer_number - 1]
-                   if self.config.no_rope_freq else False)
-        if rotary_pos_emb is not None and not no_rope:
-            if not isinstance(rotary_pos_emb, tuple):
-                rotary_pos_emb = (rotary_pos_emb,) * 2
-            q_pos_emb, k_pos_emb = rotary_pos_emb
-            rope = dict(config=self.config, cu_seqlens=cu_seqlens,
-                        cp_group=self.pg_collection.cp)
-            query = apply_rotary_pos_emb(query, q_pos_emb, **rope)
-            search_query = apply_rotary_pos_emb(search_query, q_pos_emb, **rope)
-            key = apply_rotary_pos_emb(key, k_pos_emb, **rope)
-
-        core_out = self.core_attention(query, key, value, attention_mask,
-                                       attn_mask_type=self.attn_mask_type,
-                                       attention_bias=attention_bias,
-                                       packed_seq_params=packed_seq_params,
-                                       search_query=search_query)
-        if packed_seq_params is not None:
-            core_out = core_out.reshape(core_out.shape[0], 1, -1)  # [t, np*hn] -> [t, 1, h]
-        return self.linear_proj(core_out)
+        return super().forward(hidden_states, attention_mask, None, None, *args, **kwargs)
 
     def backward_dw(self) -> None:
         super().backward_dw()
@@ -172,10 +147,10 @@ class SuperlinearSelfAttention(SelfAttention):
             self.linear_qs.backward_dw()
 
 
-def attention_spec(config, layer_number: int, backend: SpecBackend) -> ModuleSpec:
-    return self_attention_spec(SuperlinearCoreAttention, backend, module=SuperlinearSelfAttention,
+def attention_spec(config, layer_number: int, provider) -> ModuleSpec:
+    return self_attention_spec(SuperlinearCoreAttention, provider, module=SuperlinearSelfAttention,
                                submodules=SuperlinearSelfAttentionSubmodules,
-                               linear_qs=backend.column_parallel_linear)
+                               linear_qs=provider.column_parallel_linear())
 
 
 def check_knobs(config) -> None:

@@ -1,0 +1,92 @@
+"""The attention slot of any host: which module fills a layer's ``self_attention``, and from what.
+
+``attention_slot_spec(config, n, provider)`` is the ``ModuleSpec`` of layer n's attention slot:
+the variant of that layer (``config.layer_variants[n-1]``) builds it from the module classes of
+``provider``, a megatron-core spec provider (``megatron/core/models/backends.py``). A host — the
+GPT layer of ``specs.py`` today, a hybrid stack's attention slots next — puts it in its own layer
+spec around its own norms and MLP. The modules it builds take their process groups from what the
+host hands them (megatron's ``pg_collection``), so the slot depends on no particular model.
+
+Providers: ``SubqLocalSpecProvider`` (megatron-core's local linears with this package's norm and
+SDPA core attention; runs on the CPU and under sequence parallelism) or megatron's own
+``TESpecProvider`` when Transformer Engine is importable; ``get_spec_provider(use_te)`` picks one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .config import SubqTransformerConfig
+from .norm import LocalNorm
+from .variants import VARIANTS
+from .variants.standard import SDPACoreAttention
+
+try:  # Transformer Engine is an optional accelerator
+    import transformer_engine  # noqa: F401  (availability probe)
+
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    HAVE_TE = True
+except ImportError:  # pragma: no cover - depends on the machine
+    TESpecProvider = None
+    HAVE_TE = False
+
+
+class SubqLocalSpecProvider(LocalSpecProvider):
+    """megatron-core's local modules (column/row-parallel linears, MoE experts), with two of
+    this package's own where megatron's local ones do not serve (docs/architecture.md)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        """``LocalNorm``: RMSNorm or LayerNorm per ``config.normalization`` (``rms_norm`` is
+        not read); megatron's local ``WrappedTorchNorm`` runs on the CPU but refuses sequence
+        parallelism and zero-centred gamma."""
+        return LocalNorm
+
+    def core_attention(self) -> type:
+        """``SDPACoreAttention``: torch SDPA, on the CPU too; megatron's local
+        ``DotProductAttention`` allocates on CUDA."""
+        return SDPACoreAttention
+
+
+def get_spec_provider(use_te: Optional[bool] = None) -> BackendSpecProvider:
+    """megatron's ``TESpecProvider`` when ``use_te`` (default: TE importable and CUDA present),
+    else ``SubqLocalSpecProvider``."""
+    if use_te is None:
+        use_te = HAVE_TE and torch.cuda.is_available()
+    if use_te:
+        if not HAVE_TE:
+            raise ValueError("use_te=True but transformer_engine is not importable; allowed: "
+                             "use_te=False or None")
+        return TESpecProvider()
+    return SubqLocalSpecProvider()
+
+
+def check_config(config) -> None:
+    """A ``TypeError`` unless ``config`` is a ``SubqTransformerConfig`` (it carries the variant
+    of every layer)."""
+    if not isinstance(config, SubqTransformerConfig):
+        raise TypeError(f"config must be a megatron_subq.SubqTransformerConfig, got "
+                        f"{type(config).__name__}")
+
+
+def attention_slot_spec(config: SubqTransformerConfig, layer_number: int,
+                        provider: Optional[BackendSpecProvider] = None) -> ModuleSpec:
+    """The spec of layer ``layer_number``'s attention slot (1-based, global over pipeline
+    stages), built by that layer's variant from ``provider``'s modules (default:
+    ``get_spec_provider()``)."""
+    check_config(config)
+    if not 1 <= layer_number <= config.num_layers:
+        raise ValueError(f"layer_number={layer_number} is invalid: allowed 1..num_layers="
+                         f"{config.num_layers}")
+    if provider is None:
+        provider = get_spec_provider()
+    variant = VARIANTS[config.layer_variants[layer_number - 1]]
+    return variant.attention_spec(config, layer_number, provider)
+
+
+__all__ = ["HAVE_TE", "SubqLocalSpecProvider", "attention_slot_spec", "check_config",
+           "get_spec_provider"]
