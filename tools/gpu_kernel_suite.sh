@@ -45,7 +45,7 @@ STAGE_TIMEOUT=${STAGE_TIMEOUT:-420}
 stage_tests() {
   # run from /tmp: at the repository root, ./megatron_subq would shadow the installed package
   local pids=() f
-  for f in asa_kernel nonapprox_kernel approx_kernel ppa_kernel superlinear_kernel superlinear_decode; do
+  for f in asa_kernel nonapprox_kernel approx_kernel ppa_kernel superlinear_kernel superlinear_decode gpu_modules; do
     (cd /tmp && timeout "$STAGE_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m gpu -s \
        "$R/tests/test_$f.py" > "$LOGS/test_$f.log" 2>&1; echo "rc $?" >> "$LOGS/test_$f.log") &
     pids+=($!)
