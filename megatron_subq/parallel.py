@@ -43,7 +43,7 @@ def process_groups(pg_collection: Optional[ProcessGroupCollection] = None
     return pg_collection
 
 
-def _tp(tp_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+def tp_group_or_global(tp_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
     """``tp_group``, or the global TP group (None before megatron's parallel state exists, which
     counts as one rank)."""
     return process_groups().tp if tp_group is None else tp_group
@@ -51,12 +51,12 @@ def _tp(tp_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
 
 def tp_world_size(tp_group: Optional[ProcessGroup] = None) -> int:
     """Ranks of ``tp_group`` (default: the global TP group; 1 without one)."""
-    return get_pg_size(_tp(tp_group))
+    return get_pg_size(tp_group_or_global(tp_group))
 
 
 def tp_rank(tp_group: Optional[ProcessGroup] = None) -> int:
     """This process's rank in ``tp_group`` (default: the global TP group; 0 without one)."""
-    return get_pg_rank(_tp(tp_group))
+    return get_pg_rank(tp_group_or_global(tp_group))
 
 
 def local_heads(total_heads: int, what: str = "heads", *,
@@ -80,7 +80,7 @@ def head_sharded_parameter(full_shape: Sequence[int], init_fn: Callable[[torch.T
     ``[r*H/N, (r+1)*H/N)``.
     """
     full_shape = tuple(int(s) for s in full_shape)
-    tp_group = _tp(tp_group)
+    tp_group = tp_group_or_global(tp_group)
     h_local = local_heads(full_shape[0], "per-head parameter heads", tp_group=tp_group)
     master = torch.empty(full_shape, dtype=torch.float32)
     init_fn(master)
@@ -96,7 +96,7 @@ def head_sharded_parameter(full_shape: Sequence[int], init_fn: Callable[[torch.T
 def tp_replicated(param: torch.Tensor, tp_group: Optional[ProcessGroup] = None) -> torch.Tensor:
     """Use a TP-replicated parameter on head-sharded activations: its gradient is summed over
     ``tp_group``."""
-    tp_group = _tp(tp_group)
+    tp_group = tp_group_or_global(tp_group)
     if get_pg_size(tp_group) == 1:
         return param
     return copy_to_tensor_model_parallel_region(param, group=tp_group)

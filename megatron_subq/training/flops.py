@@ -17,7 +17,7 @@ so once at start-up. A ``fixed_input`` variant adds one pass of its fixed row pe
 
 from __future__ import annotations
 
-from ..variants import VARIANTS
+from ..variants import VARIANTS, fixed_input_variants
 from ..variants.base import causal_pairs
 from ..variants.ppa import ppa_pairs
 from ..variants.standard import standard_core_flops
@@ -48,7 +48,7 @@ def forward_flops_per_sequence(cfg, seq_length: int, padded_vocab_size: int,
     layers = cfg.layer_variants or [cfg.attention_variant] * cfg.num_layers
     for name in layers:
         total += _dense_layer(cfg, L) + _core(name)(cfg, L)
-    if any(VARIANTS[name].fixed_input for name in layers if name in VARIANTS):
+    if set(layers) & set(fixed_input_variants()):
         # the fixed input (L tokens) runs through the stack once per micro-batch
         total += sum(_dense_layer(cfg, L) + standard_core_flops(cfg, L)
                      for _ in layers) / micro_batch_size

@@ -45,8 +45,8 @@ from ..attention import SubqCoreAttention
 from ..ops.sas import SASBranchWeights, sas_simulated_attention
 from ..parallel import (
     head_sharded_parameter,
-    process_groups,
     sharded_state_dict_with_head_params,
+    tp_group_or_global,
     tp_rank,
     tp_replicated,
     tp_world_size,
@@ -77,7 +77,7 @@ class SASExpansion(torch.nn.Module):
         super().__init__()
         H, Hs, k = num_heads, sim_heads, kernel
         self.num_heads, self.sim_heads = H, Hs
-        self.tp_group = process_groups().tp if tp_group is None else tp_group
+        self.tp_group = tp_group_or_global(tp_group)
 
         def replicated(shape, fan_in):
             master = torch.empty(shape, dtype=torch.float32)
