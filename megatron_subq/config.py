@@ -23,6 +23,8 @@ from .kernels.powers import as_fraction, floor_power
 from .ops.asa import ASA_NORMALIZE_MODES  # noqa: F401 (re-exported: the asa_normalize values)
 
 SUBQ_IMPLS = ("reference", "kernel")
+MAMBA_IMPLS = ("torch", "mamba_ssm")
+HYBRID_SYMBOLS = ("M", "*", "-", "E")  # megatron-core 0.16.1 ssm.mamba_hybrid_layer_allocation
 
 
 def _fail(field_name: str, value, allowed: str) -> None:
@@ -106,9 +108,21 @@ class SubqTransformerConfig(TransformerConfig):
     fixed_qk_seed: int = 1234
     """rnd_emb_qk: seed of the fixed random input (drawn once, never trained)."""
 
+    # ---- the hybrid host (megatron's MambaModel: Mamba-2, attention, MLP and MoE layers) ----
+    hybrid_override_pattern: Optional[str] = None
+    """One symbol per layer: 'M' Mamba-2, '*' attention, '-' MLP, 'E' MoE (megatron's
+    ``Symbols``). None: a GPT (every layer attention + MLP). Set: a hybrid, whose '*' slots
+    alone take ``attention_variant`` / ``layer_pattern`` (a list then names one variant per
+    slot); ``build_hybrid_model`` builds it."""
+    mamba_impl: Optional[str] = None
+    """The Mamba-2 mixer: 'torch' (this package's, plain PyTorch), 'mamba_ssm' (megatron's
+    ``MambaMixer`` on mamba_ssm's Triton kernels) or None (mamba_ssm on CUDA where importable,
+    else torch). Both have the same parameters and checkpoints."""
+
     # resolved in __post_init__
-    layer_variants: List[str] = field(default_factory=list, init=False)
-    """The variant of every layer (length num_layers), resolved from the two fields above."""
+    layer_variants: List[Optional[str]] = field(default_factory=list, init=False)
+    """The variant of every layer (length num_layers), resolved from the fields above; None at
+    a hybrid's layers that are not attention slots."""
 
     def __post_init__(self):
         self._validate_variant_knobs()
@@ -122,6 +136,16 @@ class SubqTransformerConfig(TransformerConfig):
         """w = floor((sw_index+1)^(1/p)) - 1, computed exactly for p = 1/n."""
         return floor_power(self.superlinear_sw_index + 1, 1 / as_fraction(
             self.superlinear_search_power)) - 1
+
+    @property
+    def is_hybrid(self) -> bool:
+        """A hybrid stack (``hybrid_override_pattern`` set) rather than a GPT."""
+        return self.hybrid_override_pattern is not None
+
+    @property
+    def attention_layers(self) -> List[int]:
+        """The 1-based numbers of the layers with an attention slot (all layers of a GPT)."""
+        return [i + 1 for i, name in enumerate(self.layer_variants) if name is not None]
 
     def layer_variant(self, layer_number: int):
         """The registry's ``Variant`` of global layer ``layer_number`` (1-based): how modules
@@ -138,6 +162,23 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("attention_variant", self.attention_variant, f"one of {names}")
         if self.subq_impl is not None and self.subq_impl not in SUBQ_IMPLS:
             _fail("subq_impl", self.subq_impl, f"one of {SUBQ_IMPLS} or None")
+        if self.mamba_impl is not None and self.mamba_impl not in MAMBA_IMPLS:
+            _fail("mamba_impl", self.mamba_impl, f"one of {MAMBA_IMPLS} or None")
+        pattern = self.hybrid_override_pattern
+        if pattern is not None:
+            if not isinstance(pattern, str) or not pattern or set(pattern) - set(HYBRID_SYMBOLS):
+                _fail("hybrid_override_pattern", pattern,
+                      f"a string of the symbols {''.join(HYBRID_SYMBOLS)} (M Mamba-2, * attention, "
+                      "- MLP, E MoE), one per layer")
+            if len(pattern) != self.num_layers:
+                _fail("hybrid_override_pattern", pattern,
+                      f"exactly num_layers={self.num_layers} symbols (it has {len(pattern)})")
+            if "E" in pattern and not self.num_moe_experts:
+                _fail("num_moe_experts", self.num_moe_experts,
+                      "a positive number of experts: hybrid_override_pattern has MoE layers (E)")
+            if self.skip_variant_layers:
+                _fail("skip_variant_layers", True, "False in a hybrid (a GPT-host ablation)")
+            self.is_hybrid_model = True
         # every variant's own knob ranges, used or not: a bad value is wrong in any model
         for variant in VARIANTS.values():
             variant.check_knobs(self)
@@ -146,13 +187,30 @@ class SubqTransformerConfig(TransformerConfig):
         from .patterns import resolve_layer_pattern  # noqa: PLC0415
         from .variants import VARIANTS  # noqa: PLC0415
 
-        self.layer_variants = resolve_layer_pattern(
-            self.layer_pattern, self.attention_variant, self.num_layers)
+        if not self.is_hybrid:
+            self.layer_variants = resolve_layer_pattern(
+                self.layer_pattern, self.attention_variant, self.num_layers)
+        else:  # variants over the '*' slots; the other layers have none
+            slots = [i for i, s in enumerate(self.hybrid_override_pattern) if s == "*"]
+            names = resolve_layer_pattern(
+                self.layer_pattern, self.attention_variant, len(slots),
+                slots="the '*' slots of hybrid_override_pattern") if slots else []
+            self.layer_variants = [None] * self.num_layers
+            for i, name in zip(slots, names):
+                self.layer_variants[i] = name
         for i, name in enumerate(self.layer_variants):
-            if name not in VARIANTS:
+            if name is not None and name not in VARIANTS:
                 _fail(f"layer_pattern[{i}]", name, f"variant names from {sorted(VARIANTS)}")
+        host = "hybrid" if self.is_hybrid else "gpt"
+        refused = sorted({n for n in self.layer_variants
+                          if n is not None and host not in VARIANTS[n].hosts})
+        if refused:
+            allowed = sorted(n for n, v in VARIANTS.items() if host in v.hosts)
+            _fail("attention_variant" if self.attention_variant in refused else "layer_pattern",
+                  refused[0] if len(refused) == 1 else refused,
+                  f"variants the {host} host takes: {allowed}")
         # megatron's dist_checkpointing stacks identical layers; mixed specs need per-layer keys.
-        if len(set(self.layer_variants)) > 1:
+        if len({n for n in self.layer_variants if n is not None}) > 1:
             self.hetereogenous_dist_checkpoint = True
 
     def _validate_cross_field(self) -> None:

@@ -84,20 +84,22 @@ def variant_layers(pattern: str, num_layers: int) -> Set[int]:
 
 
 def resolve_layer_pattern(pattern: Optional[Union[str, Sequence[str]]], variant: str,
-                          num_layers: int) -> List[str]:
-    """The variant name of every layer (a list of length ``num_layers``)."""
+                          num_layers: int, slots: str = "num_layers") -> List[str]:
+    """The variant name of every layer (a list of length ``num_layers``). ``slots`` names what
+    is counted in errors (a hybrid resolves over its attention slots only)."""
     if pattern is None:
         pattern = "uniform"
     if isinstance(pattern, str):
         if pattern not in NAMED_PATTERNS:
             raise ValueError(f"layer_pattern={pattern!r} is invalid: allowed a list of "
-                             f"{num_layers} variant names or one of {sorted(NAMED_PATTERNS)}")
+                             f"{num_layers} variant names ({slots}) or one of "
+                             f"{sorted(NAMED_PATTERNS)}")
         chosen = variant_layers(pattern, num_layers)
         return [variant if i in chosen else "standard" for i in range(1, num_layers + 1)]
     pattern = list(pattern)
     if len(pattern) != num_layers:
         raise ValueError(f"layer_pattern has {len(pattern)} entries; allowed: exactly "
-                         f"num_layers={num_layers} variant names")
+                         f"{slots}={num_layers} variant names")
     for i, name in enumerate(pattern):
         if not isinstance(name, str):
             raise ValueError(f"layer_pattern[{i}]={name!r} is invalid: allowed variant names")
