@@ -184,20 +184,12 @@ class SubqTransformerConfig(TransformerConfig):
             variant.check_knobs(self)
 
     def _resolve_layers(self) -> None:
-        from .patterns import resolve_layer_pattern  # noqa: PLC0415
+        from .patterns import resolve_layer_variants  # noqa: PLC0415
         from .variants import VARIANTS  # noqa: PLC0415
 
-        if not self.is_hybrid:
-            self.layer_variants = resolve_layer_pattern(
-                self.layer_pattern, self.attention_variant, self.num_layers)
-        else:  # variants over the '*' slots; the other layers have none
-            slots = [i for i, s in enumerate(self.hybrid_override_pattern) if s == "*"]
-            names = resolve_layer_pattern(
-                self.layer_pattern, self.attention_variant, len(slots),
-                slots="the '*' slots of hybrid_override_pattern") if slots else []
-            self.layer_variants = [None] * self.num_layers
-            for i, name in zip(slots, names):
-                self.layer_variants[i] = name
+        self.layer_variants = resolve_layer_variants(
+            self.layer_pattern, self.attention_variant, self.num_layers,
+            self.hybrid_override_pattern)
         for i, name in enumerate(self.layer_variants):
             if name is not None and name not in VARIANTS:
                 _fail(f"layer_pattern[{i}]", name, f"variant names from {sorted(VARIANTS)}")

@@ -104,3 +104,19 @@ def resolve_layer_pattern(pattern: Optional[Union[str, Sequence[str]]], variant:
         if not isinstance(name, str):
             raise ValueError(f"layer_pattern[{i}]={name!r} is invalid: allowed variant names")
     return pattern
+
+
+def resolve_layer_variants(pattern: Optional[Union[str, Sequence[str]]], variant: str,
+                           num_layers: int, hybrid_pattern: Optional[str] = None
+                           ) -> List[Optional[str]]:
+    """Every layer's variant: over all ``num_layers`` for a GPT; for a hybrid (its
+    ``hybrid_override_pattern`` given) over the ``*`` slots only, None at the other layers."""
+    if hybrid_pattern is None:
+        return resolve_layer_pattern(pattern, variant, num_layers)
+    slots = [i for i, symbol in enumerate(hybrid_pattern) if symbol == "*"]
+    names = resolve_layer_pattern(pattern, variant, len(slots),
+                                  slots="the '*' slots of hybrid_override_pattern") if slots else []
+    out: List[Optional[str]] = [None] * num_layers
+    for i, name in zip(slots, names):
+        out[i] = name
+    return out

@@ -38,7 +38,10 @@ TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "Huggi
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 
 # SubqTransformerConfig fields that are flags of their own below, or resolved, not set.
-_HAND_WRITTEN_VARIANT_FIELDS = ("attention_variant", "layer_pattern")
+_HAND_WRITTEN_VARIANT_FIELDS = ("attention_variant", "layer_pattern", "hybrid_override_pattern",
+                                "mamba_impl")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
 def _bool_flag(group, name: str, default: bool, help: str) -> None:
@@ -123,6 +126,101 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=str, default=default, help=help_text)
 
 
+def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron-LM's flags of the hybrid host (``pretrain_mamba.py``) and of MoE layers."""
+    docs = _field_docs(SubqTransformerConfig)
+    g = parser.add_argument_group(
+        "hybrid model (Mamba-2, MoE)", "megatron's MambaModel layout (docs/hybrid.md); the "
+        "attention variant flags apply to its '*' slots")
+    _bool_flag(g, "--is-hybrid-model", False, "build the hybrid host (needs "
+               "--hybrid-override-pattern)")
+    g.add_argument("--hybrid-override-pattern", default=None,
+                   help=docs.get("hybrid_override_pattern"))
+    g.add_argument("--mamba-num-heads", type=int, default=None,
+                   help="default 2*hidden/--mamba-head-dim")
+    g.add_argument("--mamba-head-dim", type=int, default=64)
+    g.add_argument("--mamba-state-dim", type=int, default=128)
+    g.add_argument("--mamba-num-groups", type=int, default=8)
+    g.add_argument("--mamba-impl", default=None, choices=("torch", "mamba_ssm"),
+                   help=docs.get("mamba_impl"))
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="width of one expert; default --ffn-hidden-size")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax",
+                   choices=("softmax", "sigmoid"))
+    _bool_flag(g, "--moe-router-enable-expert-bias", False,
+               "aux-loss-free balancing: a per-expert bias that chooses (does not weight) "
+               "experts, updated after each step from the token counts (needs sigmoid)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-topk-scaling-factor", type=_number(float), default=None)
+    g.add_argument("--moe-router-dtype", default=None, choices=("fp32", "fp64"),
+                   help="router logits and probabilities in this dtype")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=MOE_LOAD_BALANCING_TYPES)
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=MOE_DISPATCHERS)
+    _bool_flag(g, "--moe-grouped-gemm", False, "experts as one grouped GEMM (needs the "
+               "grouped_gemm package or TE); default one GEMM per expert (SequentialMLP)")
+    _bool_flag(g, "--squared-relu", False, "squared-ReLU MLPs and experts, no gating "
+               "(Nemotron-H); implies --no-swiglu")
+
+
+def validate_hybrid_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The hybrid/MoE flags' checks and derived defaults (before the world-size checks)."""
+    pattern = args.hybrid_override_pattern
+    if args.is_hybrid_model and pattern is None:
+        parser.error("--is-hybrid-model needs --hybrid-override-pattern (one of M, *, -, E per "
+                     "layer; attention/MLP ratios are not supported)")
+    if pattern is not None:
+        args.is_hybrid_model = True
+        bad = sorted(set(pattern) - set("M*-E"))
+        if bad:
+            parser.error(f"--hybrid-override-pattern={pattern!r} has {bad}: allowed symbols "
+                         "M (Mamba-2), * (attention), - (MLP), E (MoE)")
+        if len(pattern) != args.num_layers:
+            parser.error(f"--hybrid-override-pattern has {len(pattern)} symbols; allowed: "
+                         f"exactly --num-layers={args.num_layers}")
+        if "E" in pattern and not args.num_experts:
+            parser.error("--hybrid-override-pattern has MoE layers (E): give --num-experts")
+        if "M" in pattern and args.reset_attention_mask:
+            parser.error("--reset-attention-mask (packed documents) is not supported by Mamba "
+                         "layers (M in --hybrid-override-pattern)")
+    if args.position_embedding_type is None:
+        args.position_embedding_type = "none" if args.is_hybrid_model else "rope"
+    if args.squared_relu:
+        if args.swiglu:
+            note("--squared-relu: switching --swiglu off (as Megatron-LM, they exclude each "
+                 "other)")
+        args.swiglu = False
+    if args.num_experts is not None:
+        if args.num_experts < 1:
+            parser.error(f"--num-experts={args.num_experts} must be >= 1")
+        if not 1 <= args.moe_router_topk <= args.num_experts:
+            parser.error(f"--moe-router-topk={args.moe_router_topk} must be in 1.."
+                         f"--num-experts={args.num_experts}")
+        if args.num_experts % args.expert_model_parallel_size:
+            parser.error(f"--num-experts={args.num_experts} is not divisible by "
+                         f"--expert-model-parallel-size={args.expert_model_parallel_size}")
+    elif args.expert_model_parallel_size > 1:
+        parser.error("--expert-model-parallel-size > 1 needs --num-experts")
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        parser.error("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+    if args.moe_token_dispatcher_type != "allgather" and not _cuda():
+        parser.error(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type} needs CUDA "
+                     "(megatron's dispatcher creates CUDA streams); allowed on the CPU: allgather")
+    if args.moe_grouped_gemm and not _cuda():
+        parser.error("--moe-grouped-gemm needs CUDA (grouped_gemm/TE); allowed on the CPU: "
+                     "--no-moe-grouped-gemm")
+
+
+def _cuda() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
 # ----------------------------------------------------------------------------------------------
 # Megatron-LM's flags
 # ----------------------------------------------------------------------------------------------
@@ -152,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default --seq-length")
-    g.add_argument("--position-embedding-type", default="rope",
-                   choices=("rope", "learned_absolute", "none"))
+    g.add_argument("--position-embedding-type", default=None,
+                   choices=("rope", "learned_absolute", "none"),
+                   help="default rope (Transformer++), none for a hybrid (Nemotron-H is NoPE)")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -171,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
                "without CUDA")
 
     add_variant_arguments(p)
+    add_hybrid_arguments(p)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -235,6 +335,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP: MoE experts split over this many data-parallel ranks")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="TP inside each expert; default --tensor-model-parallel-size")
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     _bool_flag(g, "--sequence-parallel", False, "shard activations along the sequence over TP")
@@ -403,6 +507,14 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     if world_size % (tp * pp):
         parser.error(f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} "
                      f"does not divide the world size {world_size}")
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    if ep < 1 or etp < 1:
+        parser.error("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
+    if world_size % (etp * ep * pp):
+        parser.error(f"--expert-tensor-parallel-size={etp} x --expert-model-parallel-size={ep} "
+                     f"x --pipeline-model-parallel-size={pp} does not divide the world size "
+                     f"{world_size}")
+    validate_hybrid_args(parser, args)
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
 

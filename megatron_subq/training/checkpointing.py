@@ -148,11 +148,18 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "num_query_groups", "kv_channels", "normalization", "norm_epsilon", "swiglu",
                     "add_bias_linear", "position_embedding_type", "rotary_base",
                     "max_position_embeddings", "untie_embeddings_and_output_weights",
+                    # the hybrid host's Mamba-2 and MoE layers
+                    "mamba_num_heads", "mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
+                    "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                    "moe_router_topk", "moe_router_score_function",
+                    "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                    "squared_relu",
                     "tokenizer_vocab_size")
 # what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
 # variant knobs that choose an implementation or an evaluation ablation, not the model
-NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_allow_no_random_access")
+NON_MODEL_KNOBS = ("subq_impl", "skip_variant_layers", "superlinear_allow_no_random_access",
+                   "mamba_impl")
 
 
 def _knob_owner(field_name: str) -> Optional[str]:
@@ -172,7 +179,7 @@ def _derived_knobs(values, layers) -> dict:
 
     ns = argparse.Namespace(**values) if isinstance(values, dict) else values
     out = {}
-    for name in sorted(set(layers or ())):
+    for name in sorted(set(layers or ()) - {None}):
         if name in VARIANTS:
             try:
                 out.update(VARIANTS[name].derived_knobs(ns))
@@ -184,15 +191,15 @@ def _derived_knobs(values, layers) -> dict:
 def layer_variants(values) -> Optional[list]:
     """Every layer's variant from --attention-variant / --layer-pattern / --num-layers in
     ``values`` (a dict or a namespace); None when they do not resolve."""
-    from ..patterns import resolve_layer_pattern  # noqa: PLC0415
+    from ..patterns import resolve_layer_variants  # noqa: PLC0415
 
     get = values.get if isinstance(values, dict) else (lambda k, d=None: getattr(values, k, d))
     pattern = get("layer_pattern")
     if isinstance(pattern, str) and "," in pattern:
         pattern = [v.strip() for v in pattern.split(",") if v.strip()]
     try:
-        return resolve_layer_pattern(pattern, get("attention_variant", "standard"),
-                                     get("num_layers"))
+        return resolve_layer_variants(pattern, get("attention_variant", "standard"),
+                                      get("num_layers"), get("hybrid_override_pattern"))
     except (ValueError, TypeError):
         return None
 
@@ -202,7 +209,7 @@ def model_args(layers) -> list:
     shape (``MODEL_SHAPE_ARGS``) and the knobs of the variants in use."""
     from .fields import variant_fields  # noqa: PLC0415
 
-    used = set(layers or ())
+    used = set(layers or ()) - {None}
     names = [n for n in MODEL_SHAPE_ARGS]
     for f in variant_fields():
         if f.name in ("attention_variant", "layer_pattern") or f.name in NON_MODEL_KNOBS:
@@ -230,7 +237,7 @@ def model_mismatches(saved: dict, args) -> list:
             text = str(get("attention_variant"))
             if get("layer_pattern") is not None:
                 text += f" --layer-pattern {get('layer_pattern')}"
-            return f"{text} (layers {','.join(layers or ['?'])})"
+            return f"{text} (layers {','.join(str(n or '-') for n in layers or ['?'])})"
         out.append(f"--attention-variant/--layer-pattern: checkpoint {describe(saved, theirs)}, "
                    f"this run {describe(args, ours)}")
     derived_theirs, derived_ours = _derived_knobs(saved, theirs), _derived_knobs(args, ours)

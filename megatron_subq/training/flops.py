@@ -11,12 +11,15 @@ G key/value groups, head dim D, FFN width F, padded vocabulary V):
     core attention      per variant: its ``Variant.core_flops(config, L)``
 
 The per-variant formulas live in each variant's file and are written down in docs/training.md.
+A hybrid (``hybrid_override_pattern``) counts its attention slots as above without the MLP, and
+its Mamba-2, MLP and MoE layers (active experts only) by ``hybrid/flops.py``.
 A variant without one (``core_flops=None``) is counted as standard attention and the trainer says
 so once at start-up. A ``fixed_input`` variant adds one pass of its fixed row per micro-batch.
 """
 
 from __future__ import annotations
 
+from ..hybrid.flops import LAYER_FLOPS
 from ..variants import VARIANTS, fixed_input_variants
 from ..variants.base import causal_pairs
 from ..variants.ppa import ppa_pairs
@@ -33,11 +36,13 @@ def _core(name: str):
     return core if core is not None else standard_core_flops
 
 
-def _dense_layer(cfg, L: int) -> float:
+def _projections(cfg, L: int) -> float:
     h, H, G, D = cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
-    projections = 2.0 * L * h * (H * D + 2 * G * D) + 2.0 * L * H * D * h
-    mlp = 2.0 * L * h * cfg.ffn_hidden_size * (3 if cfg.gated_linear_unit else 2)
-    return projections + mlp
+    return 2.0 * L * h * (H * D + 2 * G * D) + 2.0 * L * H * D * h
+
+
+def _dense_layer(cfg, L: int) -> float:
+    return _projections(cfg, L) + LAYER_FLOPS["-"](cfg, L)
 
 
 def forward_flops_per_sequence(cfg, seq_length: int, padded_vocab_size: int,
@@ -45,6 +50,12 @@ def forward_flops_per_sequence(cfg, seq_length: int, padded_vocab_size: int,
     """Forward FLOPs of one sequence through the whole model (all layers, output layer)."""
     L = seq_length
     total = 2.0 * L * cfg.hidden_size * padded_vocab_size
+    pattern = getattr(cfg, "hybrid_override_pattern", None)
+    if pattern:
+        for symbol, name in zip(pattern, cfg.layer_variants):
+            total += (_projections(cfg, L) + _core(name)(cfg, L) if symbol == "*"
+                      else LAYER_FLOPS[symbol](cfg, L))
+        return total
     layers = cfg.layer_variants or [cfg.attention_variant] * cfg.num_layers
     for name in layers:
         total += _dense_layer(cfg, L) + _core(name)(cfg, L)
@@ -56,7 +67,7 @@ def forward_flops_per_sequence(cfg, seq_length: int, padded_vocab_size: int,
 
 
 def unmodelled_variants(cfg) -> list:
-    layers = cfg.layer_variants or [cfg.attention_variant]
+    layers = [n for n in cfg.layer_variants if n is not None] or [cfg.attention_variant]
     return sorted({n for n in layers if n not in VARIANTS or VARIANTS[n].core_flops is None})
 
 

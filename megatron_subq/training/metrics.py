@@ -24,7 +24,7 @@ import math
 import os
 import resource
 from datetime import datetime
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,12 +82,17 @@ class MetricsLogger:
         self.time = 0.0
         self.loss_sum = 0.0
         self.loss_count = 0
+        self.extra_sums = {}
         self.skipped = self.nans = 0
 
     # ------------------------------------------------------------------------------------------
     def log_iteration(self, iteration: int, consumed: int, elapsed: float, lr: float,
-                      loss: Optional[float], grad_norm, skipped: bool, loss_scale) -> None:
+                      loss: Optional[float], grad_norm, skipped: bool, loss_scale,
+                      extra: Optional[Dict[str, float]] = None) -> None:
+        """One iteration; ``extra`` are further losses to log (the MoE load-balancing loss),
+        averaged over the log interval like the LM loss."""
         args = self.args
+        extra = extra or {}
         grad_norm = float(grad_norm) if grad_norm is not None else None
         is_nan = loss is not None and not math.isfinite(loss)
         # counts must agree on every rank (they are printed by the last one only)
@@ -100,6 +105,9 @@ class MetricsLogger:
         if loss is not None and not skipped and not is_nan:
             self.loss_sum += loss
             self.loss_count += 1
+        for name, value in extra.items():
+            total, count = self.extra_sums.get(name, (0.0, 0))
+            self.extra_sums[name] = (total + value, count + 1)
         memory = None
         if iteration % args.log_interval == 0:
             memory = torch.tensor([peak_memory_gb()], dtype=torch.float64,
@@ -116,14 +124,14 @@ class MetricsLogger:
         record = {"iteration": iteration, "consumed_samples": consumed, "lm_loss": loss,
                   "grad_norm": grad_norm, "lr": lr, "skipped": bool(skipped),
                   "time_s": elapsed, "tokens_per_sec_per_gpu": tokens_per_gpu,
-                  "tflops_per_gpu": tflops}
+                  "tflops_per_gpu": tflops, **extra}
         if self.metrics_file:
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
         if self.tb is not None:
             for key, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm),
                                ("tokens-per-sec-per-gpu", tokens_per_gpu),
-                               ("throughput-tflops-per-gpu", tflops)):
+                               ("throughput-tflops-per-gpu", tflops), *extra.items()):
                 if value is not None:
                     self.tb.add_scalar(key, value, iteration)
             if loss is not None:
@@ -144,6 +152,8 @@ class MetricsLogger:
                  f"global batch size: {args.global_batch_size:5d}"]
         if self.loss_count:
             parts.append(f"lm loss: {self.loss_sum / self.loss_count:.6E}")
+        for name, (total, count) in sorted(self.extra_sums.items()):
+            parts.append(f"{name}: {total / max(count, 1):.6E}")
         parts.append(f"loss scale: {float(loss_scale):.1f}")
         if grad_norm is not None:
             parts.append(f"grad norm: {grad_norm:.3f}")

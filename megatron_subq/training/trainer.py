@@ -81,7 +81,9 @@ def initialize_distributed(args) -> bool:
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     destroy_num_microbatches_calculator()
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size,
                                      args.micro_batch_size, args.data_parallel_size)
@@ -133,8 +135,15 @@ def build_config(args):
         use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
         attention_variant=args.attention_variant, layer_pattern=_layer_pattern(args.layer_pattern),
         calculate_per_token_loss=False,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
-    if not args.swiglu:
+    kwargs.update(_hybrid_config_kwargs(args))
+    if args.squared_relu:
+        from megatron.core.activations import squared_relu  # noqa: PLC0415
+
+        kwargs["activation_func"] = squared_relu
+    elif not args.swiglu:
         import torch.nn.functional as F  # noqa: PLC0415
 
         kwargs["activation_func"] = F.gelu
@@ -149,6 +158,28 @@ def build_config(args):
         flags = [arguments.flag_for_field(k) for k in sorted(kwargs, key=len, reverse=True)
                  if k in message and hasattr(args, k)]
         arguments.fail(args, f"{', '.join(flags[:2]) or 'model configuration'}: {message}")
+
+
+def _hybrid_config_kwargs(args) -> dict:
+    """Config fields of the hybrid host and of MoE layers, from Megatron-LM's flag names."""
+    out = dict(hybrid_override_pattern=args.hybrid_override_pattern, mamba_impl=args.mamba_impl,
+               mamba_num_heads=args.mamba_num_heads, mamba_head_dim=args.mamba_head_dim,
+               mamba_state_dim=args.mamba_state_dim, mamba_num_groups=args.mamba_num_groups)
+    if args.num_experts:
+        out.update(
+            num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+            moe_router_topk=args.moe_router_topk,
+            moe_router_score_function=args.moe_router_score_function,
+            moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+            moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+            moe_router_dtype=args.moe_router_dtype,
+            moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+            moe_grouped_gemm=args.moe_grouped_gemm)
+    return out
 
 
 def kernel_launch_overrides() -> Dict[str, str]:
@@ -166,16 +197,19 @@ def _layer_pattern(value):
 
 
 def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
-    """[DDP(Float16Module?(GPTModel))] for this pipeline stage (one chunk: no virtual PP)."""
+    """[DDP(Float16Module?(GPTModel | MambaModel))] for this pipeline stage (one chunk: no
+    virtual PP); the hybrid host when ``config.hybrid_override_pattern`` is set."""
     from megatron.core.distributed import (  # noqa: PLC0415
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
     from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
 
+    from ..hybrid import build_hybrid_model  # noqa: PLC0415
     from ..specs import build_gpt_model  # noqa: PLC0415
 
-    model = build_gpt_model(
+    build = build_hybrid_model if config.is_hybrid else build_gpt_model
+    model = build(
         config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
@@ -425,7 +459,7 @@ def _run(args) -> Dict:
                                         else None)
     print_rank_0(
         f"> megatron_subq pretrain_gpt: variant {args.attention_variant} "
-        f"(layers: {','.join(config.layer_variants)}), {n_params:,} parameters, vocab {vocab} "
+        f"(layers: {_layers_text(config)}), {n_params:,} parameters, vocab {vocab} "
         f"(tokenizer {tokenizer.vocab_size}), world {args.world_size} = TP "
         f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
         f"{args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
@@ -497,7 +531,8 @@ def _run(args) -> Dict:
         loss = None if loss_sum is None else (loss_sum[0] / loss_sum[1].clamp(min=1)).item()
         lr = optimizer.param_groups[0]["lr"]
         logger.log_iteration(iteration, consumed, elapsed, lr, loss, grad_norm, skipped,
-                             getattr(optimizer, "get_loss_scale", lambda: torch.tensor(1.0))())
+                             getattr(optimizer, "get_loss_scale", lambda: torch.tensor(1.0))(),
+                             extra=moe_losses(config))
         if loss is not None:
             summary["iterations"][iteration] = loss
         if iteration % args.eval_interval == 0:
@@ -518,6 +553,46 @@ def _run(args) -> Dict:
     logger.close()
     summary["iteration"] = iteration
     return summary
+
+
+MOE_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
+"""--moe-router-load-balancing-type -> the name megatron's router logs its loss under."""
+
+
+def moe_losses(config) -> Dict[str, float]:
+    """This iteration's MoE load-balancing (and z-) losses, averaged over MoE layers,
+    micro-batches and data-parallel ranks, by megatron's own tracker (``track_moe_metrics``,
+    which also clears it); {} without MoE layers or without a loss coefficient. Every rank
+    calls it (it reduces over the pipeline and DP groups)."""
+    if not config.num_moe_experts:
+        return {}
+    from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: PLC0415
+    from megatron.core.transformer.moe.moe_utils import track_moe_metrics  # noqa: PLC0415
+
+    kinds = config.moe_router_load_balancing_type
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    names = [MOE_LOSS_NAMES[k] for k in kinds if k in MOE_LOSS_NAMES and config.moe_aux_loss_coeff]
+    if config.moe_z_loss_coeff:
+        names.append("z_loss")
+    if not names:
+        return {}
+    pattern = config.hybrid_override_pattern
+    layers = [int(s == "E") for s in pattern] if pattern else config.moe_layer_freq
+    totals: Dict[str, torch.Tensor] = {}
+    track_moe_metrics(loss_scale=1.0 / get_num_microbatches(), iteration=0,
+                      total_loss_dict=totals, force_initialize=True, track_names=names,
+                      num_layers=config.num_layers, moe_layer_freq=layers)
+    return {name: float(value) for name, value in totals.items()}
+
+
+def _layers_text(config) -> str:
+    """'asa,standard' for a GPT; the pattern with each slot's variant for a hybrid
+    ('M,E,*asa,...')."""
+    if not config.is_hybrid:
+        return ",".join(config.layer_variants)
+    return ",".join(s + (v if s == "*" else "") for s, v in
+                    zip(config.hybrid_override_pattern, config.layer_variants))
 
 
 def _sync() -> None:
