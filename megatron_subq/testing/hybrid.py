@@ -1,0 +1,252 @@
+"""Helpers for "the hybrid host under TP / SP / PP / EP equals TP=1" tests.
+
+``parallel_layouts_step(layouts, ...)`` runs inside a ``run_distributed`` world: for each layout
+(a dict of ``tp``, ``pp``, ``ep``, ``sp``) it re-initialises megatron's parallel state, builds the
+tiny hybrid of ``hybrid_test_config``, gives it the same weights as every other layout
+(``init_by_global_name``: each full tensor drawn from its *global* name, then this rank's shard
+taken), runs one training step exactly as the trainer does — megatron's DDP, its
+forward-backward schedule, ``finalize_model_grads`` (DP/EP gradient reduction, SP norm sums,
+the router's expert-bias update) — and returns the loss, every parameter's full gradient and
+every router's expert bias, keyed by global name. The weights and the data are the same in every
+layout, so all layouts must agree with the TP=1, PP=1, EP=1 one (whose data-parallel average
+over the world equals one device on the whole batch).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from ..config import SubqTransformerConfig
+from .cases import VARIANT_TEST_SETTINGS
+
+HYBRID_TEST_PATTERN = "M*E*-M*E"
+"""Every symbol; attention slots at layers 2, 4 and 7 (PP=2 puts two on the first stage)."""
+HYBRID_TEST_SLOTS = ["standard", "superlinear", "asa"]
+
+
+def hybrid_test_config(tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
+                       **overrides) -> SubqTransformerConfig:
+    """The tiny-hybrid preset with ``HYBRID_TEST_PATTERN`` and the three test variants in its
+    slots (their ``VARIANT_TEST_SETTINGS``), float32, at these parallel sizes."""
+    from ..hybrid import hybrid_preset  # noqa: PLC0415
+
+    knobs = {}
+    for name in HYBRID_TEST_SLOTS:
+        knobs.update(VARIANT_TEST_SETTINGS[name])
+    kwargs = dict(num_layers=len(HYBRID_TEST_PATTERN), hybrid_override_pattern=HYBRID_TEST_PATTERN,
+                  layer_pattern=list(HYBRID_TEST_SLOTS), use_cpu_initialization=True,
+                  tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  expert_model_parallel_size=ep, sequence_parallel=sp,
+                  pipeline_dtype=torch.float32, moe_router_bias_update_rate=1e-2, **knobs)
+    kwargs.update(overrides)
+    config, _ = hybrid_preset("tiny-hybrid", **kwargs)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# global names and TP shards
+# ---------------------------------------------------------------------------------------------
+def global_names(model: torch.nn.Module) -> Dict[str, str]:
+    """Local name -> name in the unsplit model: pipeline stages renumber layers
+    (``decoder.layers.<i>`` -> the layer's global index) and expert parallelism renumbers
+    experts (``local_experts.<j>`` -> the global expert index)."""
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
+    out: Dict[str, str] = {}
+    layers = dict(model.named_modules())
+    for pname, _ in list(model.named_parameters()) + list(model.named_buffers()):
+        parts = pname.split(".")
+        if "layers" in parts:
+            i = parts.index("layers")
+            layer = layers[".".join(parts[:i + 2])]
+            parts[i + 1] = str(layer.layer_number - 1)
+        if "local_experts" in parts:
+            j = parts.index("local_experts")
+            experts = layers[".".join(pname.split(".")[:j])]
+            parts[j + 1] = str(ep_rank * experts.num_local_experts + int(parts[j + 1]))
+        out[pname] = ".".join(parts)
+    return out
+
+
+def _mamba_components(config, name: str) -> Optional[List[int]]:
+    """The row blocks a Mamba ``in_proj`` / ``conv1d`` tensor is TP-split by (each block split
+    over the ranks separately): [z, x, B, C, dt] and [x, B, C]."""
+    from ..hybrid.flops import mamba_dims  # noqa: PLC0415
+
+    n, _, g, N, d = mamba_dims(config)
+    if name.endswith("mixer.in_proj.weight"):
+        return [d, d, g * N, g * N, n]
+    if name.endswith("mixer.conv1d.weight") or name.endswith("mixer.conv1d.bias"):
+        return [d, g * N, g * N]
+    return None
+
+
+def _tp_group(pname: str):
+    if ".mlp.experts." in pname:
+        return parallel_state.get_expert_tensor_parallel_group()
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _split(full: torch.Tensor, param, config, name: str, rank: int, size: int) -> torch.Tensor:
+    """This TP rank's shard of ``full`` (the layout the module holds)."""
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return full
+    blocks = _mamba_components(config, name)
+    if blocks is not None:
+        return torch.cat([b.chunk(size, 0)[rank] for b in full.split(blocks, 0)], 0)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    return torch.cat([part.chunk(size, dim)[rank] for part in full.chunk(stride, dim)], dim)
+
+
+def _join(parts: List[torch.Tensor], param, config, name: str) -> torch.Tensor:
+    """The full tensor from every TP rank's shard (inverse of ``_split``)."""
+    size = len(parts)
+    blocks = _mamba_components(config, name)
+    if blocks is not None:
+        local = [b // size for b in blocks]
+        per_rank = [p.split(local, 0) for p in parts]
+        return torch.cat([torch.cat([r[k] for r in per_rank], 0) for k in range(len(blocks))], 0)
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = [p.chunk(stride, dim) for p in parts]
+    return torch.cat([c[s] for s in range(stride) for c in chunks], dim)
+
+
+def full_shape(param, config, name: str, size: int) -> torch.Size:
+    shape = list(param.shape)
+    if size > 1 and getattr(param, "tensor_model_parallel", False):
+        shape[0 if _mamba_components(config, name) else param.partition_dim] *= size
+    return torch.Size(shape)
+
+
+def init_by_global_name(model: torch.nn.Module, config, std: float = 0.05) -> None:
+    """The same weights at any TP / PP / EP layout: every full tensor is drawn from a generator
+    seeded by its global name, then this rank's TP shard is kept. Norm weights are 1 + noise;
+    ``A_log`` is kept in a sane range (log of 1..16)."""
+    names = global_names(model)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            group = _tp_group(pname)
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            gname = names[pname]
+            gen = torch.Generator().manual_seed(zlib.crc32(gname.encode()))
+            full = torch.randn(full_shape(p, config, gname, size), generator=gen) * std
+            if "norm" in gname.rsplit(".", 2)[-2] or gname.endswith(".D"):
+                full += 1.0
+            elif gname.endswith("A_log"):
+                full = torch.log(1.0 + 15.0 * torch.rand(full.shape, generator=gen))
+            p.copy_(_split(full, p, config, gname, rank, size).to(p.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# one training step, as the trainer runs it
+# ---------------------------------------------------------------------------------------------
+def make_batches(vocab: int, count: int, micro_batch: int, seq: int, seed: int = 0) -> list:
+    from .equivalence import make_batch  # noqa: PLC0415
+
+    return [make_batch(vocab, micro_batch, seq, seed + i) for i in range(count)]
+
+
+def _gather_dicts(local: dict) -> dict:
+    """The union of every rank's dict (each global name from any rank that has it)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()})
+    out = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out
+
+
+def hybrid_train_step(config, batches: list, vocab: int = 256, seq: int = 32) -> dict:
+    """One step of the tiny hybrid under the current parallel state: this DP rank takes its
+    share of ``batches`` (micro-batches), megatron's DDP + schedule + ``finalize_model_grads``.
+    Returns {"loss": mean LM loss over all micro-batches, "grads": {global name: full grad},
+    "expert_bias": {global name: updated bias}} (the same on every rank)."""
+    from megatron.core.distributed import (  # noqa: PLC0415
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker  # noqa: PLC0415
+
+    from ..hybrid import build_hybrid_model  # noqa: PLC0415
+
+    model = build_hybrid_model(config, vocab_size=vocab, max_sequence_length=seq)
+    init_by_global_name(model, config)
+    names = global_names(model)
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    dp, dp_rank = (parallel_state.get_data_parallel_world_size(),
+                   parallel_state.get_data_parallel_rank())
+    mine = batches[dp_rank::dp]
+
+    recorded = []  # this rank's micro-batch losses as computed (the schedule may rescale its own)
+
+    def forward_step(data_iterator, model):
+        tokens, labels, pos = next(data_iterator)
+        output = model(tokens, pos, None, labels=labels)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            recorded.append(loss.detach().clone())
+            return loss, {"loss": loss.detach()}
+
+        return output, loss_func
+
+    ddp.zero_grad_buffer()
+    clear_aux_losses_tracker()
+    get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(mine), model=[ddp],
+        num_microbatches=len(mine), seq_length=seq, micro_batch_size=mine[0][0].shape[0],
+        forward_only=False)
+    local_loss = torch.stack(recorded).sum() if recorded else torch.zeros(())
+    grads, bias = {}, {}
+    for pname, p in model.named_parameters():
+        g = p.main_grad.detach().clone()
+        group = _tp_group(pname)
+        size = dist.get_world_size(group)
+        if size > 1 and getattr(p, "tensor_model_parallel", False):
+            parts = [torch.empty_like(g) for _ in range(size)]
+            dist.all_gather(parts, g.contiguous(), group=group)
+            g = _join(parts, p, config, names[pname])
+        grads[names[pname]] = g
+    for bname, b in model.named_buffers():
+        if bname.endswith("expert_bias"):
+            bias[names[bname]] = b.detach().clone()
+    total = local_loss.reshape(1).clone()
+    dist.all_reduce(total)  # every last-stage rank of every DP replica (one TP rank counted ...)
+    count = torch.tensor([float(len(recorded))])
+    dist.all_reduce(count)  # ... as many times as its losses)
+    return {"loss": (total / count).item(), "grads": _gather_dicts(grads),
+            "expert_bias": _gather_dicts(bias)}
+
+
+def parallel_layouts_step(layouts: List[dict], num_microbatches: int = 4, micro_batch: int = 2,
+                          seq: int = 32, seed: int = 1234,
+                          config_overrides: Optional[dict] = None) -> List[dict]:
+    """``hybrid_train_step`` at each layout (``dict(tp=, pp=, ep=, sp=)``, plus any config field
+    for that layout alone) in turn, re-initialising megatron's parallel state between them (call
+    inside a ``run_distributed`` rank)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    batches = make_batches(256, num_microbatches, micro_batch, seq)
+    out = []
+    for layout in layouts:
+        layout = dict(layout)
+        tp, pp, ep = layout.pop("tp", 1), layout.pop("pp", 1), layout.pop("ep", 1)
+        sp = layout.pop("sp", False)
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        config = hybrid_test_config(tp=tp, pp=pp, ep=ep, sp=sp,
+                                    **{**(config_overrides or {}), **layout})
+        out.append(hybrid_train_step(config, batches, seq=seq))
+    return out
