@@ -203,6 +203,9 @@ def validate_hybrid_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         if args.num_experts % args.expert_model_parallel_size:
             parser.error(f"--num-experts={args.num_experts} is not divisible by "
                          f"--expert-model-parallel-size={args.expert_model_parallel_size}")
+        if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+            parser.error("MoE layers with --tensor-model-parallel-size > 1 need "
+                         "--sequence-parallel (megatron's MoE layer refuses to train without it)")
     elif args.expert_model_parallel_size > 1:
         parser.error("--expert-model-parallel-size > 1 needs --num-experts")
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
