@@ -17,7 +17,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_subq.testing import run_distributed  # noqa: E402
-from megatron_subq.testing.hybrid import HYBRID_TEST_PATTERN, hybrid_suite  # noqa: E402
+from megatron_subq.testing.hybrid import (  # noqa: E402
+    HYBRID_TEST_PATTERN,
+    hybrid_suite,
+    hybrid_trainer_resume,
+)
 
 NO_MOE = HYBRID_TEST_PATTERN.replace("E", "-")  # megatron's MoE layer refuses TP without SP
 LAYOUTS = [dict(), dict(tp=2, sp=True), dict(pp=2), dict(ep=2),
@@ -63,3 +67,38 @@ def test_checkpoint_reshards_tp2_to_tp1_and_ep2_to_ep1(suite):
         assert set(loaded["expert_bias"]) == set(saved["expert_bias"]) != set()
         for key, bias in saved["expert_bias"].items():
             assert torch.equal(loaded["expert_bias"][key], bias), key
+
+
+def _recipe_flags(path, drop=("data-path", "split", "tokenizer-type", "tokenizer-model", "save",
+                              "save-interval", "metrics-file", "train-iters", "log-interval",
+                              "eval-interval", "eval-iters")):
+    """A recipe YAML as flags, without its data, tokenizer and output settings."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    flags = []
+    for key, value in data.items():
+        if key in drop:
+            continue
+        if value is True:
+            flags.append(f"--{key}")
+        elif value is not False:
+            flags.append(f"--{key}={value}")
+    return flags
+
+
+def test_trainer_resumes_bitwise_with_the_expert_bias(tmp_path):
+    flags = _recipe_flags(os.path.join(ROOT, "recipes", "tiny-hybrid-cpu.yaml"))
+    out = run_distributed(hybrid_trainer_resume, 1, args=(str(tmp_path), flags))[0]
+    a, b = out["a_metrics"], out["b_metrics"]
+    assert sorted(b) == [3, 4] and sorted(a) == [1, 2, 3, 4]
+    for it in (3, 4):
+        assert (b[it]["lm_loss"], b[it]["grad_norm"]) == (a[it]["lm_loss"], a[it]["grad_norm"])
+        assert b[it]["seq_load_balancing_loss"] == a[it]["seq_load_balancing_loss"] > 0
+    ta, tb = out["a_tensors"], out["b_tensors"]
+    assert set(ta) == set(tb)
+    biases = [k for k in ta if k.endswith("router.expert_bias")]
+    assert len(biases) == 2 and any(ta[k].abs().max() > 0 for k in biases)
+    for key in ta:
+        assert torch.equal(ta[key], tb[key]), key

@@ -319,3 +319,29 @@ def hybrid_suite(layouts: List[dict], ckpt_dir: str) -> dict:
     """``parallel_layouts_step(layouts)`` and ``hybrid_reshard(ckpt_dir)`` in one 2-rank world
     (one process launch for both)."""
     return {"layouts": parallel_layouts_step(layouts), "reshard": hybrid_reshard(ckpt_dir)}
+
+
+def hybrid_trainer_resume(work: str, flags: List[str]) -> dict:
+    """The trainer on ``flags`` (mock data, 4 iterations, saves at 2 and 4) twice: A straight
+    through, B resumed from A's iteration 2. Returns both runs' per-iteration metrics and the
+    plain tensors of both iteration-4 checkpoints (model, expert biases, optimizer state)."""
+    import json  # noqa: PLC0415
+
+    from megatron.core import dist_checkpointing  # noqa: PLC0415
+
+    from ..training import pretrain  # noqa: PLC0415
+
+    common = flags + ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
+                      "--train-iters", "4", "--save-interval", "2", "--log-interval", "1",
+                      "--eval-iters", "0"]
+    runs = {"a": [], "b": ["--load", os.path.join(work, "a"), "--ckpt-step", "2"]}
+    out = {}
+    for name, extra in runs.items():
+        save = os.path.join(work, name)
+        pretrain(common + extra + ["--save", save, "--metrics-file",
+                                   os.path.join(work, f"{name}.jsonl")])
+        with open(os.path.join(work, f"{name}.jsonl")) as f:
+            out[f"{name}_metrics"] = {r["iteration"]: r for r in map(json.loads, f)}
+        plain = dist_checkpointing.load_plain_tensors(os.path.join(save, "iter_0000004"))
+        out[f"{name}_tensors"] = {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
+    return out

@@ -470,7 +470,7 @@ def config_to_argv(parser: argparse.ArgumentParser, data: dict, path: str) -> Li
         else:
             if isinstance(value, list):  # e.g. layer_pattern as a YAML list
                 value = ",".join(str(v) for v in value)
-            tokens += [flag, str(value)]
+            tokens.append(f"{flag}={value}")  # one token: a value may start with '-' ("-*E")
     return tokens
 
 
