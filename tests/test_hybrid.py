@@ -102,3 +102,69 @@ def test_trainer_resumes_bitwise_with_the_expert_bias(tmp_path):
     assert len(biases) == 2 and any(ta[k].abs().max() > 0 for k in biases)
     for key in ta:
         assert torch.equal(ta[key], tb[key]), key
+
+
+HYBRID_MIN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+              "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr",
+              "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+              "--hybrid-override-pattern=M*E-", "--num-experts", "4", "--mamba-head-dim", "16",
+              "--mamba-num-groups", "2", "--mamba-state-dim", "16"]
+
+
+def _error(argv, capsys, world_size=1, config=False):
+    from megatron_subq.training import arguments
+    from megatron_subq.training.trainer import build_config
+
+    with pytest.raises(SystemExit) as e:
+        args = arguments.parse_args(argv, world_size=world_size)
+        if config:
+            build_config(args)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_hybrid_flags_fail_at_start_naming_the_flag(capsys):
+    from megatron_subq.training import arguments
+
+    args = arguments.parse_args(HYBRID_MIN + ["--attention-variant", "superlinear"], world_size=1)
+    assert args.is_hybrid_model and args.position_embedding_type == "none"
+    err = _error(HYBRID_MIN + ["--attention-variant", "rnd_emb_qk"], capsys, config=True)
+    assert "--attention-variant" in err and "hybrid host" in err
+    assert "exactly --num-layers=5" in _error(HYBRID_MIN + ["--num-layers", "5"], capsys)
+    assert "allowed symbols" in _error(HYBRID_MIN + ["--hybrid-override-pattern=M*X-"], capsys)
+    i = HYBRID_MIN.index("--num-experts")
+    assert "give --num-experts" in _error(HYBRID_MIN[:i] + HYBRID_MIN[i + 2:], capsys)
+    assert "--is-hybrid-model needs --hybrid-override-pattern" in _error(
+        HYBRID_MIN[:19] + ["--is-hybrid-model"], capsys)
+    assert "--sequence-parallel" in _error(HYBRID_MIN + ["--tensor-model-parallel-size", "2"],
+                                           capsys, world_size=2)
+    assert "--expert-model-parallel-size=3" in _error(
+        HYBRID_MIN + ["--expert-model-parallel-size", "3"], capsys, world_size=3)
+    assert "allowed on the CPU: allgather" in _error(
+        HYBRID_MIN + ["--moe-token-dispatcher-type", "alltoall"], capsys)
+    assert "Mamba layers" in _error(HYBRID_MIN + ["--reset-attention-mask"], capsys)
+
+
+def test_preset_and_pattern_errors_name_the_field():
+    from megatron_subq import SubqTransformerConfig
+    from megatron_subq.hybrid import hybrid_preset
+
+    with pytest.raises(ValueError, match="hybrid preset 'nano'.*allowed"):
+        hybrid_preset("nano")
+    with pytest.raises(ValueError, match="override colour= is unknown"):
+        hybrid_preset("tiny-hybrid", colour=1)
+    base = dict(num_layers=4, hidden_size=64, num_attention_heads=4)
+    with pytest.raises(ValueError, match="hybrid_override_pattern='M\\*E'.*exactly num_layers=4"):
+        SubqTransformerConfig(**base, hybrid_override_pattern="M*E")
+    with pytest.raises(ValueError, match="num_moe_experts"):
+        SubqTransformerConfig(**base, hybrid_override_pattern="M*E-")
+    with pytest.raises(ValueError, match="layer_pattern has 3 entries.*'\\*' slots"):
+        SubqTransformerConfig(**base, hybrid_override_pattern="M*-*",
+                              layer_pattern=["asa", "asa", "asa"])
+    with pytest.raises(ValueError, match="attention_variant='static_emb_qk'.*hybrid host"):
+        SubqTransformerConfig(**base, hybrid_override_pattern="M*-*",
+                              attention_variant="static_emb_qk")
+    config = SubqTransformerConfig(**base, hybrid_override_pattern="M*-*",
+                                   attention_variant="asa", layer_pattern="hybrid")
+    assert config.layer_variants == [None, "asa", None, "standard"]
+    assert config.attention_layers == [2, 4] and config.is_hybrid_model

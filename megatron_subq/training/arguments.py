@@ -745,17 +745,18 @@ def _check_packed_sequences(parser, args) -> None:
     """--reset-attention-mask runs micro-batches as packed sequences: every layer's variant must
     take them (the check runs before anything is built)."""
     from ..variants import packed_sequence_variants  # noqa: PLC0415
-    from ..patterns import resolve_layer_pattern  # noqa: PLC0415
+    from ..patterns import resolve_layer_variants  # noqa: PLC0415
 
     pattern = args.layer_pattern
     if pattern is not None and "," in pattern:
         pattern = [v.strip() for v in pattern.split(",") if v.strip()]
     try:
-        layers = resolve_layer_pattern(pattern, args.attention_variant, args.num_layers)
+        layers = resolve_layer_variants(pattern, args.attention_variant, args.num_layers,
+                                        args.hybrid_override_pattern)
     except ValueError:
         return  # the config's own check names the bad pattern
     supported = packed_sequence_variants()
-    unsupported = sorted(set(layers) - set(supported))
+    unsupported = sorted(set(layers) - set(supported) - {None})
     if unsupported:
         parser.error(f"--reset-attention-mask: the variant(s) {', '.join(unsupported)} do not take "
                      f"packed sequences; allowed with it: {', '.join(supported)}")
