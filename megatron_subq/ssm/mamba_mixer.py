@@ -354,13 +354,14 @@ class SubqMambaMixer(MegatronModule):
     def allocate_inference_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None
                                  ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Zero decode states of this rank: conv state [b, conv channels, d_conv] in ``dtype``
-        (default: conv1d's), SSM state [b, local heads, head dim, state dim] in float32 (the
-        recurrence accumulates in float32)."""
+        (default: conv1d's), SSM state [b, local heads, head dim, state dim] in float32 (float64
+        for float64 parameters), the precision the recurrence accumulates in."""
         conv_shape, ssm_shape = self.mamba_state_shapes_per_request()
         device = self.conv1d.weight.device
         conv_state = torch.zeros(batch_size, *conv_shape, device=device,
                                  dtype=dtype or self.conv1d.weight.dtype)
-        ssm_state = torch.zeros(batch_size, *ssm_shape, device=device, dtype=torch.float32)
+        ssm_state = torch.zeros(batch_size, *ssm_shape, device=device,
+                                dtype=torch.promote_types(self.config.params_dtype, torch.float32))
         return conv_state, ssm_state
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor,
