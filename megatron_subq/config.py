@@ -23,7 +23,7 @@ from .kernels.powers import as_fraction, floor_power
 from .ops.asa import ASA_NORMALIZE_MODES  # noqa: F401 (re-exported: the asa_normalize values)
 
 SUBQ_IMPLS = ("reference", "kernel")
-MAMBA_IMPLS = ("torch", "mamba_ssm")
+MAMBA_IMPLS = ("auto", "megatron", "pytorch")  # megatron_subq.ssm.MAMBA_MIXER_IMPLS
 HYBRID_SYMBOLS = ("M", "*", "-", "E")  # megatron-core 0.16.1 ssm.mamba_hybrid_layer_allocation
 
 
@@ -115,9 +115,10 @@ class SubqTransformerConfig(TransformerConfig):
     alone take ``attention_variant`` / ``layer_pattern`` (a list then names one variant per
     slot); ``build_hybrid_model`` builds it."""
     mamba_impl: Optional[str] = None
-    """The Mamba-2 mixer: 'torch' (this package's, plain PyTorch), 'mamba_ssm' (megatron's
-    ``MambaMixer`` on mamba_ssm's Triton kernels) or None (mamba_ssm on CUDA where importable,
-    else torch). Both have the same parameters and checkpoints."""
+    """The Mamba-2 mixer: 'pytorch' (this package's ``SubqMambaMixer``), 'megatron' (megatron's
+    ``MambaMixer`` on mamba_ssm's Triton kernels) or None/'auto' (megatron's where it can run:
+    CUDA, mamba_ssm, and causal_conv1d unless ``use_mamba_mem_eff_path`` is False). Both have
+    the same parameters and checkpoints (``megatron_subq.ssm.mamba_mixer_class``)."""
 
     # resolved in __post_init__
     layer_variants: List[Optional[str]] = field(default_factory=list, init=False)

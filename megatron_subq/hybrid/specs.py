@@ -46,7 +46,7 @@ def mamba_layer_spec(config: SubqTransformerConfig, provider: BackendSpecProvide
     """``M``: norm → Mamba-2 mixer (column-parallel ``in_proj``, row-parallel ``out_proj``)."""
     from ..ssm import mamba_mixer_class  # noqa: PLC0415 (mamba_ssm probing only when needed)
 
-    mixer = ModuleSpec(module=mamba_mixer_class(config), submodules=MambaMixerSubmodules(
+    mixer = ModuleSpec(module=mamba_mixer_class(config, config.mamba_impl), submodules=MambaMixerSubmodules(
         in_proj=provider.column_parallel_linear(), out_proj=provider.row_parallel_linear()))
     return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
         norm=_norm(config, provider), mixer=mixer, mamba_bda=get_bias_dropout_add))

@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 from ..config import SubqTransformerConfig
 from .cases import VARIANT_TEST_SETTINGS
 
-HYBRID_TEST_PATTERN = "-*E*--*E"  # TEMP until the mixer lands
+HYBRID_TEST_PATTERN = "M*E*-M*E"
 """Every symbol; attention slots at layers 2, 4 and 7 (PP=2 puts two on the first stage)."""
 HYBRID_TEST_SLOTS = ["standard", "superlinear", "asa"]
 

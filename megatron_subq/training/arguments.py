@@ -141,8 +141,10 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-head-dim", type=int, default=64)
     g.add_argument("--mamba-state-dim", type=int, default=128)
     g.add_argument("--mamba-num-groups", type=int, default=8)
-    g.add_argument("--mamba-impl", default=None, choices=("torch", "mamba_ssm"),
+    g.add_argument("--mamba-impl", default=None, choices=("auto", "megatron", "pytorch"),
                    help=docs.get("mamba_impl"))
+    _bool_flag(g, "--disable-mamba-mem-eff-path", False, "megatron's mixer without its fused "
+               "conv+scan path (which needs causal_conv1d's CUDA build)")
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                    help="width of one expert; default --ffn-hidden-size")

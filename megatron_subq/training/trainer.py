@@ -164,7 +164,8 @@ def _hybrid_config_kwargs(args) -> dict:
     """Config fields of the hybrid host and of MoE layers, from Megatron-LM's flag names."""
     out = dict(hybrid_override_pattern=args.hybrid_override_pattern, mamba_impl=args.mamba_impl,
                mamba_num_heads=args.mamba_num_heads, mamba_head_dim=args.mamba_head_dim,
-               mamba_state_dim=args.mamba_state_dim, mamba_num_groups=args.mamba_num_groups)
+               mamba_state_dim=args.mamba_state_dim, mamba_num_groups=args.mamba_num_groups,
+               use_mamba_mem_eff_path=not args.disable_mamba_mem_eff_path)
     if args.num_experts:
         out.update(
             num_moe_experts=args.num_experts, moe_ffn_hidden_size=args.moe_ffn_hidden_size,
