@@ -21,6 +21,7 @@ from megatron_subq.testing.hybrid import (  # noqa: E402
     HYBRID_TEST_PATTERN,
     hybrid_suite,
     hybrid_trainer_resume,
+    nano_parameter_counts,
 )
 
 NO_MOE = HYBRID_TEST_PATTERN.replace("E", "-")  # megatron's MoE layer refuses TP without SP
@@ -168,3 +169,12 @@ def test_preset_and_pattern_errors_name_the_field():
                                    attention_variant="asa", layer_pattern="hybrid")
     assert config.layer_variants == [None, "asa", None, "standard"]
     assert config.attention_layers == [2, 4] and config.is_hybrid_model
+
+
+def test_nano_preset_has_the_published_size_without_allocating():
+    """Nemotron-3-Nano-30B-A3B built on the meta device: 31,577,937,344 parameters, 3.58B
+    active per token; superlinear in the six '*' slots adds exactly six search projections."""
+    counts = run_distributed(nano_parameter_counts, 1)[0]
+    assert counts["standard"] == (31_577_937_344, 3_580_073_408)
+    assert counts["superlinear"][0] - counts["standard"][0] == 6 * 2688 * 4096
+    assert counts["devices"] == ["meta"]

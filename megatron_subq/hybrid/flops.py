@@ -55,3 +55,20 @@ def moe_layer_flops(cfg, L: int) -> float:
 
 LAYER_FLOPS = {"M": mamba_layer_flops, "-": mlp_layer_flops, "E": moe_layer_flops}
 """pattern symbol -> (config, L) -> forward FLOPs ('*' is the attention slot's)."""
+
+
+def active_parameters(model, config) -> int:
+    """Parameters a token passes through in ``model`` (this rank's modules): every parameter
+    except the routed experts it is not sent to (top-k of ``num_moe_experts`` per MoE layer).
+    Both embedding tables count, as in the published Nemotron-H figures."""
+    total = routed = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".mlp.experts." in name:
+            routed += p.numel()
+    if not config.num_moe_experts or not routed:
+        return total
+    ep = config.expert_model_parallel_size or 1
+    # this rank holds num_moe_experts / ep experts; a token uses top-k of all of them
+    inactive = routed - routed * ep * config.moe_router_topk // config.num_moe_experts
+    return total - inactive

@@ -345,3 +345,22 @@ def hybrid_trainer_resume(work: str, flags: List[str]) -> dict:
         plain = dist_checkpointing.load_plain_tensors(os.path.join(save, "iter_0000004"))
         out[f"{name}_tensors"] = {k: v for k, v in plain.items() if isinstance(v, torch.Tensor)}
     return out
+
+
+def nano_parameter_counts() -> dict:
+    """{variant: (parameters, active per token)} of the Nano preset with standard and with
+    superlinear slots, built on the meta device (nothing allocated), and the devices seen."""
+    from ..hybrid import build_hybrid_model, hybrid_preset  # noqa: PLC0415
+    from ..hybrid.flops import active_parameters  # noqa: PLC0415
+
+    out, devices = {}, set()
+    for variant in ("standard", "superlinear"):
+        config, kwargs = hybrid_preset("nemotron-3-nano-30b-a3b", attention_variant=variant,
+                                       use_cpu_initialization=True, perform_initialization=False)
+        with torch.device("meta"):
+            model = build_hybrid_model(config, **kwargs)
+        devices |= {p.device.type for p in model.parameters()}
+        out[variant] = (sum(p.numel() for p in model.parameters()),
+                        active_parameters(model, config))
+    out["devices"] = sorted(devices)
+    return out
