@@ -277,6 +277,78 @@ def test_mixer_parameters_match_megatrons_layout(single_process):
     assert mb.dt_bias.dtype == mb.conv1d.weight.dtype == mb.norm.weight.dtype == torch.bfloat16
 
 
+def _megatrons_mixer_on_the_cpu(monkeypatch, config, pg_collection=None):
+    """megatron's own MambaMixer built here: its mamba_ssm gate lifted and mamba_ssm's gated
+    norm (``ExtendedRMSNorm``) stood in for by ours with megatron's sharded_state_dict (the CPU
+    fallbacks point its ``torch.cuda.current_device()`` at the CPU). It can build and
+    checkpoint, not run: its scan is mamba_ssm's."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import mamba_mixer as mm
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    from megatron_subq.ssm import GatedRMSNorm, MambaMixerSubmodules
+
+    class StandInNorm(GatedRMSNorm):
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """ExtendedRMSNorm's: weight TP-sharded along dim 0 over the global TP group."""
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                sharded_offsets, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                dp_cp_group=metadata["dp_cp_group"])
+
+    monkeypatch.setattr(mm, "HAVE_MAMBA_SSM", True)
+    monkeypatch.setattr(mm, "ExtendedRMSNorm", StandInNorm)
+    pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    return mm.MambaMixer(config, sub, d_model=config.hidden_size, layer_number=1, pg_collection=pg)
+
+
+def _sharded_layout(sharded):
+    """{key: (global shape, global offset)} of every ShardedTensor, factories built."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for key, value in sharded.items():
+        if isinstance(value, ShardedTensorFactory):
+            for t in value.build():
+                out[t.key] = (t.global_shape, t.global_offset)
+        elif isinstance(value, ShardedTensor):
+            out[value.key] = (value.global_shape, value.global_offset)
+        else:
+            out[value.key] = type(value).__name__
+    return out
+
+
+def test_same_constructor_parameters_and_checkpoint_keys_as_megatrons_mixer(single_process,
+                                                                             monkeypatch):
+    import inspect
+
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    from megatron_subq.ssm import SubqMambaMixer
+
+    ours_sig = inspect.signature(SubqMambaMixer.__init__).parameters
+    theirs_sig = inspect.signature(MambaMixer.__init__).parameters
+    assert [(n, p.default, p.kind) for n, p in ours_sig.items()] == \
+        [(n, p.default, p.kind) for n, p in theirs_sig.items()]
+    config = _config(params_dtype=torch.bfloat16, bf16=True)
+    for tp_rank in (None, 0, 1):     # TP=1, then both ranks of a TP=2 layout
+        pg = None if tp_rank is None else _fake_pg(tp_rank, 2)
+        theirs = _megatrons_mixer_on_the_cpu(monkeypatch, config, pg)
+        ours = _mixer(config, pg)
+        assert [(n, p.shape, p.dtype, getattr(p, "tensor_model_parallel", False))
+                for n, p in ours.named_parameters()] == \
+            [(n, p.shape, p.dtype, getattr(p, "tensor_model_parallel", False))
+             for n, p in theirs.named_parameters()]
+    theirs, ours = _megatrons_mixer_on_the_cpu(monkeypatch, config), _mixer(config)
+    assert _sharded_layout(ours.sharded_state_dict("mixer.")) == \
+        _sharded_layout(theirs.sharded_state_dict("mixer."))
+    ours.load_state_dict(theirs.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+
+
 def test_mixer_decode_steps_equal_its_forward(single_process):
     from megatron.core.inference.contexts import StaticInferenceContext
 

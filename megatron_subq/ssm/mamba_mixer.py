@@ -181,7 +181,6 @@ class SubqMambaMixer(MegatronModule):
             if conv_bias:
                 self.conv1d.bias.copy_(_rank_rows(conv_bias_full, conv_sizes, tp, rank))
                 _mark_tp(self.conv1d.bias)
-        self.act = nn.SiLU()
 
         heads = slice(rank * self.nheads_local_tp, (rank + 1) * self.nheads_local_tp)
         # dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max], floored
