@@ -168,7 +168,7 @@ class SubqMambaMixer(MegatronModule):
         else:
             nn.init.kaiming_uniform_(conv_weight, a=math.sqrt(5))
         conv_bias_full = None
-        if conv_bias:  # nn.Conv1d's default bias: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = d_conv
+        if conv_bias:  # nn.Conv1d's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = d_conv
             bound = 1.0 / math.sqrt(d_conv)
             conv_bias_full = torch.empty(conv_full, dtype=torch.float32).uniform_(-bound, bound)
         conv_dim = conv_full // tp
@@ -228,7 +228,8 @@ class SubqMambaMixer(MegatronModule):
             d_inner = int(self.expand * self.d_model)
             if d_inner <= 0 or d_inner % self.headdim:
                 bad("expand * hidden_size", d_inner,
-                    f"a positive multiple of mamba_head_dim={self.headdim} (or set mamba_num_heads)")
+                    f"a positive multiple of mamba_head_dim={self.headdim} (or set "
+                    "mamba_num_heads)")
             nheads = d_inner // self.headdim
         if nheads % tp:
             bad("mamba_num_heads", nheads,
@@ -304,9 +305,8 @@ class SubqMambaMixer(MegatronModule):
         return self.out_proj(y)
 
     def _split_zxbcdt(self, zxBCdt: torch.Tensor):
-        return torch.split(zxBCdt, [self.d_inner_local_tp,
-                                    self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state,
-                                    self.nheads_local_tp], dim=-1)
+        xbc = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
+        return torch.split(zxBCdt, [self.d_inner_local_tp, xbc, self.nheads_local_tp], dim=-1)
 
     def _split_xbc(self, xBC: torch.Tensor):
         gn = self.ngroups_local_tp * self.d_state
