@@ -188,11 +188,11 @@ class SubqMambaMixer(MegatronModule):
                        * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         inv_dt = dt + torch.log(-torch.expm1(-dt))
-        self.dt_bias = _mark_tp(nn.Parameter(inv_dt[heads].to(device=device, dtype=dtype)))
+        self.dt_bias = _mark_tp(nn.Parameter(inv_dt[heads].to(device=device, dtype=dtype).clone()))
         A = torch.ones(self.nheads, dtype=torch.float32)
         if config.perform_initialization:
             A.uniform_(*A_init_range)
-        self.A_log = _mark_tp(nn.Parameter(torch.log(A[heads]).to(device)))        # fp32
+        self.A_log = _mark_tp(nn.Parameter(torch.log(A[heads]).to(device).clone()))  # fp32
         D_local = self.d_inner_local_tp if D_has_hdim else self.nheads_local_tp
         self.D = _mark_tp(nn.Parameter(torch.ones(D_local, dtype=torch.float32, device=device)))
 
