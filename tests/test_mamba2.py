@@ -21,7 +21,8 @@ def _ssd_inputs(b=2, T=37, H=4, P=3, G=2, N=5, dtype=F64, seed=0, D_hdim=False):
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype)
 
-    return dict(x=r(b, T, H, P), dt=r(b, T, H), A=-torch.rand(H, generator=g, dtype=F64).to(dtype) * 2,
+    A = -torch.rand(H, generator=g, dtype=F64).to(dtype) * 2
+    return dict(x=r(b, T, H, P), dt=r(b, T, H), A=A,
                 B=r(b, T, G, N), C=r(b, T, G, N), D=r(H, P) if D_hdim else r(H),
                 dt_bias=r(H, scale=0.5)), r(b, H, P, N)
 
@@ -48,7 +49,8 @@ def test_recurrence_is_the_definition():
     for t in range(6):
         dt = F.softplus(kw["dt"][bi, t, h] + kw["dt_bias"][h])
         S = torch.exp(dt * kw["A"][h]) * S + dt * torch.outer(kw["x"][bi, t, h], kw["B"][bi, t, 1])
-        torch.testing.assert_close(y[bi, t, h], S @ kw["C"][bi, t, 1] + kw["D"][h] * kw["x"][bi, t, h])
+        y_t = S @ kw["C"][bi, t, 1] + kw["D"][h] * kw["x"][bi, t, h]
+        torch.testing.assert_close(y[bi, t, h], y_t)
     torch.testing.assert_close(s[bi, h], S)
 
 
@@ -88,7 +90,8 @@ def test_chunked_scan_gradients_equal_the_recurrences():
 def test_fp32_scan_of_bf16_inputs_tracks_float64():
     kw, s0 = _ssd_inputs(T=300, H=4, P=8, N=16)
     y64, _ = ssd_chunk(**kw, initial_state=s0)
-    y16, s16 = ssd_chunk(**{k: v.to(torch.bfloat16) for k, v in kw.items()}, initial_state=s0.float())
+    bf16 = {k: v.to(torch.bfloat16) for k, v in kw.items()}
+    y16, s16 = ssd_chunk(**bf16, initial_state=s0.float())
     assert y16.dtype == torch.bfloat16 and s16.dtype == torch.float32
     err = ((y16.double() - y64).norm() / y64.norm()).item()
     assert err < 2e-2, err
@@ -213,7 +216,8 @@ def _reference_mixer(m, h):
     xBC = zxbcdt[..., d_in:2 * d_in + 2 * G * N]
     dt = zxbcdt[..., 2 * d_in + 2 * G * N:]
     w = m.conv1d.weight[:, 0, :]
-    xBC = _conv_loop(xBC, w, m.conv1d.bias, xBC.new_zeros(xBC.shape[0], w.shape[1] - 1, xBC.shape[2]))
+    xBC = _conv_loop(xBC, w, m.conv1d.bias,
+                     xBC.new_zeros(xBC.shape[0], w.shape[1] - 1, xBC.shape[2]))
     b, s = xBC.shape[:2]
     x = xBC[..., :d_in].reshape(b, s, H, P)
     B = xBC[..., d_in:d_in + G * N].reshape(b, s, G, N)
@@ -222,7 +226,8 @@ def _reference_mixer(m, h):
     y, _ = ssd_naive(x, dt, -torch.exp(m.A_log), B, C, D, m.dt_bias)
     y = y.reshape(b, s, d_in) * F.silu(z)
     yg = y.reshape(b, s, G, d_in // G)
-    y = (yg / torch.sqrt(yg.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(b, s, d_in) * m.norm.weight
+    yg = yg / torch.sqrt(yg.pow(2).mean(-1, keepdim=True) + 1e-5)
+    y = yg.reshape(b, s, d_in) * m.norm.weight
     return (y @ m.out_proj.weight.t()).transpose(0, 1)
 
 
@@ -275,6 +280,78 @@ def test_mixer_parameters_match_megatrons_layout(single_process):
     mb = _mixer(_config(params_dtype=torch.bfloat16, bf16=True))
     assert mb.A_log.dtype == mb.D.dtype == torch.float32
     assert mb.dt_bias.dtype == mb.conv1d.weight.dtype == mb.norm.weight.dtype == torch.bfloat16
+
+
+def _megatrons_mixer_on_the_cpu(monkeypatch, config, pg_collection=None):
+    """megatron's own MambaMixer built here: its mamba_ssm gate lifted and mamba_ssm's gated
+    norm (``ExtendedRMSNorm``) stood in for by ours with megatron's sharded_state_dict (the CPU
+    fallbacks point its ``torch.cuda.current_device()`` at the CPU). It can build and
+    checkpoint, not run: its scan is mamba_ssm's."""
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm import mamba_mixer as mm
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    from megatron_subq.ssm import GatedRMSNorm, MambaMixerSubmodules
+
+    class StandInNorm(GatedRMSNorm):
+        def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+            """ExtendedRMSNorm's: weight TP-sharded along dim 0 over the global TP group."""
+            return make_sharded_tensors_for_checkpoint(
+                self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
+                sharded_offsets, tp_group=parallel_state.get_tensor_model_parallel_group(),
+                dp_cp_group=metadata["dp_cp_group"])
+
+    monkeypatch.setattr(mm, "HAVE_MAMBA_SSM", True)
+    monkeypatch.setattr(mm, "ExtendedRMSNorm", StandInNorm)
+    pg = pg_collection or ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    sub = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)
+    return mm.MambaMixer(config, sub, d_model=config.hidden_size, layer_number=1, pg_collection=pg)
+
+
+def _sharded_layout(sharded):
+    """{key: (global shape, global offset)} of every ShardedTensor, factories built."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for key, value in sharded.items():
+        if isinstance(value, ShardedTensorFactory):
+            for t in value.build():
+                out[t.key] = (t.global_shape, t.global_offset)
+        elif isinstance(value, ShardedTensor):
+            out[value.key] = (value.global_shape, value.global_offset)
+        else:
+            out[value.key] = type(value).__name__
+    return out
+
+
+def test_same_constructor_parameters_and_checkpoint_keys_as_megatrons_mixer(single_process,
+                                                                             monkeypatch):
+    import inspect
+
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    from megatron_subq.ssm import SubqMambaMixer
+
+    ours_sig = inspect.signature(SubqMambaMixer.__init__).parameters
+    theirs_sig = inspect.signature(MambaMixer.__init__).parameters
+    assert [(n, p.default, p.kind) for n, p in ours_sig.items()] == \
+        [(n, p.default, p.kind) for n, p in theirs_sig.items()]
+    config = _config(params_dtype=torch.bfloat16, bf16=True)
+    for tp_rank in (None, 0, 1):     # TP=1, then both ranks of a TP=2 layout
+        pg = None if tp_rank is None else _fake_pg(tp_rank, 2)
+        theirs = _megatrons_mixer_on_the_cpu(monkeypatch, config, pg)
+        ours = _mixer(config, pg)
+        assert [(n, p.shape, p.dtype, getattr(p, "tensor_model_parallel", False))
+                for n, p in ours.named_parameters()] == \
+            [(n, p.shape, p.dtype, getattr(p, "tensor_model_parallel", False))
+             for n, p in theirs.named_parameters()]
+    theirs, ours = _megatrons_mixer_on_the_cpu(monkeypatch, config), _mixer(config)
+    assert _sharded_layout(ours.sharded_state_dict("mixer.")) == \
+        _sharded_layout(theirs.sharded_state_dict("mixer."))
+    ours.load_state_dict(theirs.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
 
 
 def test_mixer_decode_steps_equal_its_forward(single_process):
@@ -338,14 +415,18 @@ def test_tp2_shards_are_the_tp1_weights_split_by_component(single_process):
             if name == "out_proj.weight":
                 want = full[name][:, rank * 8:(rank + 1) * 8]
             else:
-                want = _component_split(full[name], splits.get(name, [full[name].shape[0]]), 2, rank)
+                sizes = splits.get(name, [full[name].shape[0]])
+                want = _component_split(full[name], sizes, 2, rank)
             torch.testing.assert_close(p, want, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("overrides,pg,needle", [
-    (dict(mamba_num_heads=6, mamba_num_groups=2), (0, 4), r"mamba_num_heads=6 is invalid.*multiple of tensor_model_parallel_size=4"),
-    (dict(mamba_num_heads=4, mamba_num_groups=1), (0, 2), r"mamba_num_groups=1 is invalid.*tensor_model_parallel_size=2"),
-    (dict(mamba_num_heads=4, mamba_num_groups=3), None, r"mamba_num_groups=3 is invalid.*divisor of mamba_num_heads=4"),
+    (dict(mamba_num_heads=6, mamba_num_groups=2), (0, 4),
+     r"mamba_num_heads=6 is invalid.*multiple of tensor_model_parallel_size=4"),
+    (dict(mamba_num_heads=4, mamba_num_groups=1), (0, 2),
+     r"mamba_num_groups=1 is invalid.*tensor_model_parallel_size=2"),
+    (dict(mamba_num_heads=4, mamba_num_groups=3), None,
+     r"mamba_num_groups=3 is invalid.*divisor of mamba_num_heads=4"),
     (dict(mamba_num_heads=None, mamba_head_dim=5), None, r"expand \* hidden_size=32 is invalid"),
     (dict(mamba_state_dim=0), None, r"mamba_state_dim=0 is invalid"),
 ], ids=["heads-vs-tp", "groups-vs-tp", "heads-vs-groups", "headdim", "state-dim"])
@@ -400,7 +481,8 @@ def _unshard(local, sizes, dim=0):
     shards = [torch.empty_like(local) for _ in range(world)]
     torch.distributed.all_gather(shards, local.contiguous())
     pieces = [s.split([c // world for c in sizes], dim=dim) for s in shards]
-    return torch.cat([torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(sizes))], dim=dim)
+    return torch.cat([torch.cat([p[i] for p in pieces], dim=dim) for i in range(len(sizes))],
+                     dim=dim)
 
 
 def _tp_worker(ckpt_dir):
@@ -453,7 +535,8 @@ def _tp_worker(ckpt_dir):
     state = dist_checkpointing.load(m1.sharded_state_dict(prefix="mixer."), ckpt_dir)
     state = {k[len("mixer."):]: v for k, v in state.items()}
     missing, unexpected = m1.load_state_dict(state, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), \
+        (missing, unexpected)
     with torch.no_grad():
         loaded = m1(h)[0]
     return {"tp1": tp1, "tp2": tp2, "tp2sp": tp2sp, "loaded_tp1": loaded, "keys": keys}
@@ -467,13 +550,13 @@ def test_tp2_and_sp_equal_tp1_and_checkpoints_reshard(tmp_path):
         for case in ("tp2", "tp2sp"):
             assert r[case].keys() == r["tp1"].keys()
             for name, ref in r["tp1"].items():
+                where = f"rank {rank} {case} {name}"
                 torch.testing.assert_close(r[case][name], ref, rtol=1e-9, atol=1e-11,
-                                           msg=lambda m, c=case, n=name: f"rank {rank} {c} {n}: {m}")
+                                           msg=lambda m, w=where: f"{w}: {m}")
         torch.testing.assert_close(r["loaded_tp1"], r["tp2"]["out"], rtol=1e-9, atol=1e-11)
-    assert ranks[0]["keys"] == ["mixer.A_log", "mixer.D", "mixer.conv1d.bias", "mixer.conv1d.weight",
-                                "mixer.dt_bias", "mixer.in_proj._extra_state", "mixer.in_proj.weight",
-                                "mixer.norm.weight", "mixer.out_proj._extra_state",
-                                "mixer.out_proj.weight"]
+    assert ranks[0]["keys"] == ["mixer." + k for k in (
+        "A_log", "D", "conv1d.bias", "conv1d.weight", "dt_bias", "in_proj._extra_state",
+        "in_proj.weight", "norm.weight", "out_proj._extra_state", "out_proj.weight")]
     assert os.path.isdir(tmp_path / "ckpt")
 
 

@@ -168,7 +168,7 @@ class SubqMambaMixer(MegatronModule):
         else:
             nn.init.kaiming_uniform_(conv_weight, a=math.sqrt(5))
         conv_bias_full = None
-        if conv_bias:  # nn.Conv1d's default bias: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = d_conv
+        if conv_bias:  # nn.Conv1d's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = d_conv
             bound = 1.0 / math.sqrt(d_conv)
             conv_bias_full = torch.empty(conv_full, dtype=torch.float32).uniform_(-bound, bound)
         conv_dim = conv_full // tp
@@ -181,7 +181,6 @@ class SubqMambaMixer(MegatronModule):
             if conv_bias:
                 self.conv1d.bias.copy_(_rank_rows(conv_bias_full, conv_sizes, tp, rank))
                 _mark_tp(self.conv1d.bias)
-        self.act = nn.SiLU()
 
         heads = slice(rank * self.nheads_local_tp, (rank + 1) * self.nheads_local_tp)
         # dt_bias = softplus^-1(dt), dt log-uniform in [dt_min, dt_max], floored
@@ -189,11 +188,11 @@ class SubqMambaMixer(MegatronModule):
                        * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         dt = dt.clamp(min=dt_init_floor)
         inv_dt = dt + torch.log(-torch.expm1(-dt))
-        self.dt_bias = _mark_tp(nn.Parameter(inv_dt[heads].to(device=device, dtype=dtype)))
+        self.dt_bias = _mark_tp(nn.Parameter(inv_dt[heads].to(device=device, dtype=dtype).clone()))
         A = torch.ones(self.nheads, dtype=torch.float32)
         if config.perform_initialization:
             A.uniform_(*A_init_range)
-        self.A_log = _mark_tp(nn.Parameter(torch.log(A[heads]).to(device)))        # fp32
+        self.A_log = _mark_tp(nn.Parameter(torch.log(A[heads]).to(device).clone()))  # fp32
         D_local = self.d_inner_local_tp if D_has_hdim else self.nheads_local_tp
         self.D = _mark_tp(nn.Parameter(torch.ones(D_local, dtype=torch.float32, device=device)))
 
@@ -229,7 +228,8 @@ class SubqMambaMixer(MegatronModule):
             d_inner = int(self.expand * self.d_model)
             if d_inner <= 0 or d_inner % self.headdim:
                 bad("expand * hidden_size", d_inner,
-                    f"a positive multiple of mamba_head_dim={self.headdim} (or set mamba_num_heads)")
+                    f"a positive multiple of mamba_head_dim={self.headdim} (or set "
+                    "mamba_num_heads)")
             nheads = d_inner // self.headdim
         if nheads % tp:
             bad("mamba_num_heads", nheads,
@@ -305,9 +305,8 @@ class SubqMambaMixer(MegatronModule):
         return self.out_proj(y)
 
     def _split_zxbcdt(self, zxBCdt: torch.Tensor):
-        return torch.split(zxBCdt, [self.d_inner_local_tp,
-                                    self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state,
-                                    self.nheads_local_tp], dim=-1)
+        xbc = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
+        return torch.split(zxBCdt, [self.d_inner_local_tp, xbc, self.nheads_local_tp], dim=-1)
 
     def _split_xbc(self, xBC: torch.Tensor):
         gn = self.ngroups_local_tp * self.d_state

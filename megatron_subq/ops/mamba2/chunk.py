@@ -4,8 +4,8 @@ The sequence is cut into chunks of Q tokens (the last one zero-padded: a padded 
 dt = 0, so it neither decays nor feeds the state). With a_t = dt_t * A and its running sum
 ``acum`` inside each chunk, for tokens i >= j of one chunk and head h of group g:
 
-    y_i  = sum_{j<=i} exp(acum_i - acum_j) (C_i . B_j) dt_j x_j         (intra-chunk, quadratic)
-         + exp(acum_i) C_i S_in                                         (the state entering the chunk)
+    y_i  = sum_{j<=i} exp(acum_i - acum_j) (C_i . B_j) dt_j x_j    (intra-chunk, quadratic)
+         + exp(acum_i) C_i S_in                                    (S_in: the state entering)
          + D x_i
     S_out = exp(acum_Q) S_in + sum_j exp(acum_Q - acum_j) dt_j x_j (outer) B_j
 

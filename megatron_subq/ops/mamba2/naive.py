@@ -62,7 +62,7 @@ def ssd_naive(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     xf = x.to(acc)
     dtf = discretize_dt(dt, dt_bias, acc)                       # [B, T, H]
     Af = A.to(acc)
-    Bh = B.to(acc).repeat_interleave(H // G, dim=2)              # [B, T, H, N]: head h -> group h // (H/G)
+    Bh = B.to(acc).repeat_interleave(H // G, dim=2)              # [B, T, H, N], group h // (H/G)
     Ch = C.to(acc).repeat_interleave(H // G, dim=2)
     S = (torch.zeros(batch, H, P, N, dtype=acc, device=x.device) if initial_state is None
          else initial_state.to(acc))
