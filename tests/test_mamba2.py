@@ -542,6 +542,7 @@ def _tp_worker(ckpt_dir):
     return {"tp1": tp1, "tp2": tp2, "tp2sp": tp2sp, "loaded_tp1": loaded, "keys": keys}
 
 
+@pytest.mark.slow  # the whole hybrid's TP=2+SP / TP=2 / checkpoint tests cover it (test_hybrid.py)
 def test_tp2_and_sp_equal_tp1_and_checkpoints_reshard(tmp_path):
     from megatron_subq.testing import run_distributed
 
