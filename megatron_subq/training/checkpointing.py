@@ -148,7 +148,8 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "num_query_groups", "kv_channels", "normalization", "norm_epsilon", "swiglu",
                     "add_bias_linear", "position_embedding_type", "rotary_base",
                     "max_position_embeddings", "untie_embeddings_and_output_weights",
-                    "tokenizer_vocab_size")
+                    "tokenizer_vocab_size", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
+                    "rope_scaling_factor")
 # what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
 # variant knobs that choose an implementation or an evaluation ablation, not the model
