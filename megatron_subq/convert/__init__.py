@@ -9,8 +9,8 @@ architectures) live in ``families/``, one module each; see docs/conversion.md. N
 ``[convert]`` extra (transformers, safetensors).
 """
 
-from .api import ConversionSummary, export_hf, import_hf, model_flags
+from .api import ConversionSummary, export_hf, import_hf, load_converted_model, model_flags
 from .families import FAMILIES, Family, TensorMap, supported_architectures
 
 __all__ = ["FAMILIES", "ConversionSummary", "Family", "TensorMap", "export_hf", "import_hf",
-           "model_flags", "supported_architectures"]
+           "load_converted_model", "model_flags", "supported_architectures"]

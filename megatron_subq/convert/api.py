@@ -137,7 +137,7 @@ def _build_config(args):
 
 
 @contextlib.contextmanager
-def _one_process(seed: int):
+def one_process(seed: int):
     """A one-process gloo group and megatron's parallel state at TP=1/PP=1 (the CPU fallbacks
     without CUDA), seeded as the trainer seeds a TP=1 run; torn down afterwards if made here."""
     import torch.distributed as dist  # noqa: PLC0415
@@ -332,7 +332,7 @@ def _import_into(tmp, reader, maps, family, args, config, vocab, seed, progress,
     from ..training.trainer import gpt_model  # noqa: PLC0415
 
     summary = ConversionSummary("import", tmp, family.name)
-    with _one_process(seed):
+    with one_process(seed):
         model = gpt_model(args, config, vocab)
         params = dict(model.named_parameters())
         used = set()
@@ -420,11 +420,9 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     ``hf_config`` (a config.json; default: the one an import stored in ``load``), else inferred
     from the model's flags. Refuses a model with a non-standard attention layer, naming the
     layers. Errors name the flag, file or field, before anything is written."""
-    from ..training import arguments  # noqa: PLC0415
     from ..training.checkpointing import (  # noqa: PLC0415
         checkpoint_folder,
         layer_variants,
-        load_checkpoint,
         saved_args,
     )
     from ..training.trainer import gpt_model  # noqa: PLC0415
@@ -444,17 +442,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
         raise ValueError(f"--load {load}: only models whose every attention layer is 'standard' "
                          "export to Hugging Face; layer(s) " + (", ".join(odd) or "unresolved")
                          + " are not")
-    if "padded_vocab_size" not in saved:
-        raise ValueError(f"{folder}: the checkpoint stores no padded_vocab_size (saved by an "
-                         "older trainer); its vocabulary cannot be known")
-    vocab = int(saved["padded_vocab_size"])
-    args = arguments.build_parser().parse_args([])
-    for k, v in saved.items():
-        setattr(args, k, v)
-    for name, default in (("qk_layernorm", False), ("add_qkv_bias", False),
-                          ("use_rope_scaling", False), ("rope_scaling_factor", 8.0)):
-        if not hasattr(args, name) or getattr(args, name) is None:
-            setattr(args, name, default)
+    args, vocab = checkpoint_namespace(saved, folder)
     args = _one_rank_copy(args)
     cfg_path = hf_config or os.path.join(load, HF_CONFIG)
     if os.path.isdir(cfg_path):
@@ -475,13 +463,9 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     config = _build_config(args)
     tmp = _fresh_target(hf_out, "--hf-out")
     try:
-        with _one_process(int(saved.get("seed", 1234))):
+        with one_process(int(saved.get("seed", 1234))):
             model = gpt_model(args, config, vocab)
-            load_args = argparse.Namespace(
-                load=load, ckpt_step=ckpt_step, exit_on_missing_checkpoint=True, finetune=True,
-                load_optim=False, load_rng=False, use_distributed_optimizer=False,
-                _model_changed=False)
-            load_checkpoint(load_args, [model], None, None, log=lambda *a: None)
+            _load_weights(model, load, ckpt_step)
             state = {k: v for k, v in model.state_dict().items()
                      if not k.endswith("_extra_state")}
             known = {tm.megatron for tm in maps}
@@ -527,3 +511,55 @@ def _write_hf_config(folder: str, cfg: dict, family: Family) -> None:
         return
     values = {k: v for k, v in cfg.items() if k != "model_type"}
     AutoConfig.for_model(family.model_type, **values).save_pretrained(folder)
+
+
+def checkpoint_namespace(saved: dict, folder: str = "the checkpoint"):
+    """(trainer arguments, padded vocabulary) of a checkpoint's stored arguments ``saved``: the
+    trainer's defaults overlaid with them (flags a checkpoint predates keep their defaults)."""
+    from ..training import arguments  # noqa: PLC0415
+
+    if "padded_vocab_size" not in saved:
+        raise ValueError(f"{folder}: the checkpoint stores no padded_vocab_size (saved by an "
+                         "older trainer); its vocabulary cannot be known")
+    args = arguments.build_parser().parse_args([])
+    for k, v in saved.items():
+        setattr(args, k, v)
+    if args.num_query_groups is None:
+        args.num_query_groups = args.num_attention_heads
+    return args, int(saved["padded_vocab_size"])
+
+
+def _load_weights(model, load: str, ckpt_step: Optional[int]) -> None:
+    from ..training.checkpointing import load_checkpoint  # noqa: PLC0415
+
+    load_args = argparse.Namespace(
+        load=load, ckpt_step=ckpt_step, exit_on_missing_checkpoint=True, finetune=True,
+        load_optim=False, load_rng=False, use_distributed_optimizer=False, _model_changed=False)
+    load_checkpoint(load_args, [model], None, None, log=lambda *a: None)
+
+
+def load_converted_model(load: str, ckpt_step: Optional[int] = None, **overrides):
+    """This pipeline stage's host model of the checkpoint in ``load``, built under the current
+    parallel state (any TP/PP: torch_dist reshards) with its weights loaded; ``overrides`` set
+    trainer arguments (e.g. ``bf16=True``). Returns (model, args). For checks and evaluation
+    scripts; megatron's parallel state must be initialised."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    from ..training.checkpointing import checkpoint_folder, saved_args  # noqa: PLC0415
+    from ..training.trainer import gpt_model  # noqa: PLC0415
+
+    folder = checkpoint_folder(load, ckpt_step)
+    if folder is None or not os.path.isdir(folder):
+        raise FileNotFoundError(f"--load {load}: no checkpoint folder (ckpt_step={ckpt_step})")
+    args, vocab = checkpoint_namespace(saved_args(folder), folder)
+    args.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    args.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    args.use_cpu_initialization = args.use_cpu_initialization or not torch.cuda.is_available()
+    args.sequence_parallel = False
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    model = gpt_model(args, _build_config(args), vocab)
+    if torch.cuda.is_available() and not args.use_cpu_initialization:
+        model = model.cuda()
+    _load_weights(model, load, ckpt_step)
+    return model, args
