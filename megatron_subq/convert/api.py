@@ -116,7 +116,7 @@ def _parse_trainer(data: dict, vocab: int, world_size: int) -> argparse.Namespac
                 "--train-iters", "1", "--lr", "0"]
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             argv = arguments.config_to_argv(parser, data, "the converted model's flags")
             return arguments.parse_args(argv + scaffold, world_size=world_size)
     except SystemExit as e:
