@@ -103,3 +103,26 @@ def converted_logits(load: str, ids: torch.Tensor, **overrides) -> Optional[torc
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|."""
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def four_rank_checks(cases, root: str, vocab: int, variants) -> dict:
+    """Under the current parallel state (the test runs it at TP=2 + PP=2): the logits of
+    ``root/<case>/ckpt`` for every case, then the trainer, 3 steps, from each
+    ``root/<variant>/ckpt`` with its model.yaml (mock data). Lives here, not in the test file, so
+    that the spawned ranks do not import transformers."""
+    import os  # noqa: PLC0415
+
+    from ..training import pretrain  # noqa: PLC0415
+
+    ids = tokens(vocab, seq=32)
+    out = {case: converted_logits(os.path.join(root, case, "ckpt"), ids) for case in cases}
+    for variant in variants:
+        ckpt = os.path.join(root, variant, "ckpt")
+        out[variant] = pretrain([
+            "--config", os.path.join(ckpt, "model.yaml"), "--load", ckpt,
+            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", str(vocab - 1), "--eval-iters", "0",
+            "--log-interval", "1", "--num-workers", "0"])
+    return out
