@@ -445,8 +445,10 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     args, vocab = checkpoint_namespace(saved, folder)
     args = _one_rank_copy(args)
     cfg_path = hf_config or os.path.join(load, HF_CONFIG)
-    if os.path.isdir(cfg_path):
-        cfg_path = os.path.join(cfg_path, "config.json")
+    if os.path.isdir(cfg_path):  # an HF folder, or a folder an import wrote
+        names = [n for n in ("config.json", HF_CONFIG)
+                 if os.path.isfile(os.path.join(cfg_path, n))]
+        cfg_path = os.path.join(cfg_path, names[0] if names else "config.json")
     base = None
     if os.path.isfile(cfg_path):
         with open(cfg_path, encoding="utf-8") as f:
