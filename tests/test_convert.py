@@ -227,3 +227,19 @@ def test_cli_import_sharded_and_export_a_step(work, tmp_path, capsys):
         convert_checkpoint.main(["export", "--load", str(tmp_path / "again"), "--hf-out",
                                  str(tmp_path / "no")])
     assert "layer(s) 1 (asa), 3 (asa)" in capsys.readouterr().err
+
+
+def test_bf16_folder_round_trips_bitwise_in_bf16(tmp_path):
+    from megatron_subq.testing.convert import tiny_hf_model
+
+    hf = str(tmp_path / "hf")
+    tiny_hf_model("qwen2", num_hidden_layers=2).to(torch.bfloat16).save_pretrained(hf)
+    summary = import_hf(hf, str(tmp_path / "ckpt"), **QUIET)
+    assert summary.flags["bf16"] is True
+    assert "bf16: true" in open(tmp_path / "ckpt" / "model.yaml").read()
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"), **QUIET)
+    before, after = _safetensors(hf), _safetensors(str(tmp_path / "out"))
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(after[name], tensor), name
+    assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
