@@ -105,16 +105,25 @@ def test_import_matches_hf_logits_and_export_is_bitwise(work, case):
 def test_tp2_pp2_loads_every_family_and_surgery_trains(work):
     root = work["root"]
     ranks = run_distributed(four_rank_checks, world_size=4, tp=2, pp=2, args=(
-        sorted(TINY_HF), str(root), 96, list(SURGERY)))
+        sorted(TINY_HF), str(root), 96, ["llama", *SURGERY]))
     last = ranks[-1]
     ids = tokens(seq=32)
     for case in TINY_HF:
         assert relative_error(last[case], hf_logits(str(root / case / "hf"), ids)) <= 1e-5, case
-    for variant in SURGERY:
-        run = last[variant]
+    for name in ("llama", *SURGERY):
+        run = last["trained " + name]
         assert run["loaded_iteration"] == 0
         losses = list(run["iterations"].values())
-        assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), (variant, run)
+        assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), (name, run)
+
+    # the trained Llama (saved by the trainer at TP=2 + PP=2, with its optimizer) exports, with
+    # the architecture of the import's config.json, to a folder whose logits are the checkpoint's
+    trained, out = str(root / "llama" / "trained"), str(root / "llama" / "trained-hf")
+    export_hf(trained, out, hf_config=str(root / "llama" / "ckpt"), **QUIET)
+    with one_process(1234):
+        megatron = converted_logits(trained, ids)
+    assert relative_error(hf_logits(out, ids), megatron) <= 1e-5
+    assert relative_error(megatron, hf_logits(str(root / "llama" / "hf"), ids)) > 1e-4  # trained
 
 
 @pytest.mark.parametrize("variant", SURGERY)
@@ -243,3 +252,31 @@ def test_bf16_folder_round_trips_bitwise_in_bf16(tmp_path):
     for name, tensor in before.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(after[name], tensor), name
     assert json.load(open(tmp_path / "out" / "config.json"))["dtype"] == "bfloat16"
+
+
+def test_variant_hf_param_map_copies_what_the_folder_holds(work, tmp_path, monkeypatch):
+    """A variant whose ``hf_param_map`` names HF tensors gets them copied, not initialised."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from megatron_subq import variants
+
+    root = work["root"]
+    hf = str(tmp_path / "hf")
+    os.makedirs(hf)
+    tensors = _safetensors(str(root / "llama" / "hf"))
+    for i in range(4):
+        tensors[f"model.layers.{i}.self_attn.asa_pq"] = torch.randn(4, 8, 4)
+    save_file(tensors, os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
+    open(os.path.join(hf, "config.json"), "w").write(open(root / "llama" / "hf" /
+                                                          "config.json").read())
+    asa = dataclasses.replace(variants.VARIANTS["asa"],
+                              hf_param_map=lambda config: {"core_attention.p_q":
+                                                           "self_attn.asa_pq"})
+    monkeypatch.setitem(variants.VARIANTS, "asa", asa)
+    summary = import_hf(hf, str(tmp_path / "ckpt"), attention_variant="asa",
+                        knobs=SURGERY_KNOBS["asa"], **QUIET)
+    pq = [f"decoder.layers.{i}.self_attention.core_attention.p_q" for i in range(4)]
+    assert set(pq) <= set(summary.copied) and not set(pq) & set(summary.created)
+    assert all(n.endswith("p_k") for n in summary.created)

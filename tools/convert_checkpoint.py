@@ -57,10 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--load", required=True, help="checkpoint folder (holds the tracker file)")
     exp.add_argument("--hf-out", required=True, help="new or empty Hugging Face folder")
     exp.add_argument("--ckpt-step", type=int, default=None,
-                     help="the iteration to export (default: the tracker's)")
+                     help="the iteration to export; None: the tracker's")
     exp.add_argument("--hf-config", default=None,
                      help="config.json (or its folder) whose architecture and extra fields to "
-                          "keep (default: the one import stored in --load, else inferred)")
+                          "keep; None: the one an import stored in --load, else inferred")
     exp.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard")
     exp.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p

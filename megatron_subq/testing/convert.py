@@ -105,21 +105,23 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-def four_rank_checks(cases, root: str, vocab: int, variants) -> dict:
+def four_rank_checks(cases, root: str, vocab: int, runs) -> dict:
     """Under the current parallel state (the test runs it at TP=2 + PP=2): the logits of
-    ``root/<case>/ckpt`` for every case, then the trainer, 3 steps, from each
-    ``root/<variant>/ckpt`` with its model.yaml (mock data). Lives here, not in the test file, so
-    that the spawned ranks do not import transformers."""
+    ``root/<case>/ckpt`` for every case, then the trainer, 3 steps, from ``root/<name>/ckpt``
+    with its model.yaml (mock data) for every ``name`` of ``runs``, saving into
+    ``root/<name>/trained``. Lives here, not in the test file, so that the spawned ranks do not
+    import transformers."""
     import os  # noqa: PLC0415
 
     from ..training import pretrain  # noqa: PLC0415
 
     ids = tokens(vocab, seq=32)
     out = {case: converted_logits(os.path.join(root, case, "ckpt"), ids) for case in cases}
-    for variant in variants:
-        ckpt = os.path.join(root, variant, "ckpt")
-        out[variant] = pretrain([
+    for name in runs:
+        ckpt = os.path.join(root, name, "ckpt")
+        out["trained " + name] = pretrain([
             "--config", os.path.join(ckpt, "model.yaml"), "--load", ckpt,
+            "--save", os.path.join(root, name, "trained"),
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
