@@ -142,7 +142,7 @@ def one_process(seed: int):
     without CUDA), seeded as the trainer seeds a TP=1 run; torn down afterwards if made here."""
     import torch.distributed as dist  # noqa: PLC0415
     from megatron.core import parallel_state  # noqa: PLC0415
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+    from megatron.core.tensor_parallel import random as tp_random  # noqa: PLC0415
 
     from ..cpu import install_cpu_fallbacks  # noqa: PLC0415
 
@@ -162,7 +162,7 @@ def one_process(seed: int):
         parallel_state.initialize_model_parallel(1, 1)
         made_state = True
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    tp_random.model_parallel_cuda_manual_seed(seed)
     try:
         yield
     finally:
@@ -171,6 +171,14 @@ def one_process(seed: int):
         if created_group:
             dist.destroy_process_group()
             shutil.rmtree(store, ignore_errors=True)
+
+
+def host_model(args, config, vocab: int):
+    """This pipeline stage's bare host model of the trainer arguments ``args``: the one place
+    the converter builds a model (the GPT host today; a hybrid host dispatches here too)."""
+    from ..training.trainer import gpt_model  # noqa: PLC0415
+
+    return gpt_model(args, config, vocab)
 
 
 def _one_rank_copy(args: argparse.Namespace) -> argparse.Namespace:
@@ -329,11 +337,10 @@ def _check_hf_tensors(reader, maps, hf: str, family: Family) -> None:
 
 def _import_into(tmp, reader, maps, family, args, config, vocab, seed, progress, log):
     from ..training.checkpointing import save_checkpoint  # noqa: PLC0415
-    from ..training.trainer import gpt_model  # noqa: PLC0415
 
     summary = ConversionSummary("import", tmp, family.name)
     with one_process(seed):
-        model = gpt_model(args, config, vocab)
+        model = host_model(args, config, vocab)
         params = dict(model.named_parameters())
         used = set()
         bar = _progress(progress, "import")(len(maps))
@@ -425,7 +432,6 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
         layer_variants,
         saved_args,
     )
-    from ..training.trainer import gpt_model  # noqa: PLC0415
 
     start = time.perf_counter()
     max_bytes = hf_io.parse_size(max_shard_size)
@@ -466,7 +472,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     tmp = _fresh_target(hf_out, "--hf-out")
     try:
         with one_process(int(saved.get("seed", 1234))):
-            model = gpt_model(args, config, vocab)
+            model = host_model(args, config, vocab)
             _load_weights(model, load, ckpt_step)
             state = {k: v for k, v in model.state_dict().items()
                      if not k.endswith("_extra_state")}
@@ -548,7 +554,6 @@ def load_converted_model(load: str, ckpt_step: Optional[int] = None, **overrides
     from megatron.core import parallel_state  # noqa: PLC0415
 
     from ..training.checkpointing import checkpoint_folder, saved_args  # noqa: PLC0415
-    from ..training.trainer import gpt_model  # noqa: PLC0415
 
     folder = checkpoint_folder(load, ckpt_step)
     if folder is None or not os.path.isdir(folder):
@@ -560,7 +565,7 @@ def load_converted_model(load: str, ckpt_step: Optional[int] = None, **overrides
     args.sequence_parallel = False
     for k, v in overrides.items():
         setattr(args, k, v)
-    model = gpt_model(args, _build_config(args), vocab)
+    model = host_model(args, _build_config(args), vocab)
     if torch.cuda.is_available() and not args.use_cpu_initialization:
         model = model.cuda()
     _load_weights(model, load, ckpt_step)

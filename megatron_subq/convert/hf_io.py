@@ -1,4 +1,4 @@
-"""Hugging Face folders on disk: ``config.json`` and safetensors shards, read lazily, written sharded.
+"""Hugging Face folders: ``config.json`` and safetensors shards, read lazily, written sharded.
 
 ``HFReader(folder)`` resolves every tensor name to its shard (``model.safetensors.index.json``
 when present, else the single ``model.safetensors``), checks that every shard the index names
@@ -157,7 +157,8 @@ def parse_size(size) -> int:
                      "'5GB', '500MB', '2GiB' or a number of bytes")
 
 
-def plan_shards(tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> List[List[PlannedTensor]]:
+def plan_shards(tensors: Sequence[PlannedTensor],
+                max_shard_bytes: int) -> List[List[PlannedTensor]]:
     """Consecutive groups of at most ``max_shard_bytes`` (a larger tensor stands alone)."""
     shards: List[List[PlannedTensor]] = [[]]
     size = 0
