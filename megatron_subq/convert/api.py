@@ -192,12 +192,18 @@ def _one_rank_copy(args: argparse.Namespace) -> argparse.Namespace:
     return one
 
 
-def _fresh_target(path: str, flag: str) -> str:
-    """A temporary folder beside ``path`` (refused when ``path`` holds anything)."""
+def _check_target(path: str, flag: str) -> None:
+    """FileExistsError unless ``path`` is new or an empty folder."""
     path = os.path.abspath(path)
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise FileExistsError(f"{flag} {path} exists and is not empty; allowed: a new or empty "
                               "folder (nothing is overwritten)")
+
+
+def _fresh_target(path: str, flag: str) -> str:
+    """A temporary folder beside ``path`` (refused when ``path`` holds anything)."""
+    _check_target(path, flag)
+    path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.partial-", dir=parent)
@@ -258,6 +264,7 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     if expert_model_parallel_size != 1:
         raise ValueError(f"--expert-model-parallel-size={expert_model_parallel_size} is invalid "
                          "for the GPT-host families (no experts): allowed 1")
+    _check_target(save, "--save")
     cfg = hf_io.read_config(hf)
     family = family_for_config(cfg, os.path.join(hf, "config.json"))
     flags = dict(family.trainer_flags(cfg))
@@ -435,6 +442,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
 
     start = time.perf_counter()
     max_bytes = hf_io.parse_size(max_shard_size)
+    _check_target(hf_out, "--hf-out")
     folder = checkpoint_folder(load, ckpt_step)
     if folder is None or not os.path.isdir(folder):
         flag = "--ckpt-step" if ckpt_step is not None else "--load"
