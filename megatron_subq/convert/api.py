@@ -384,7 +384,7 @@ def _checkpoint_args(args, vocab: int, root: str) -> argparse.Namespace:
     from ..training.checkpointing import layer_variants, model_args  # noqa: PLC0415
 
     keep = set(model_args(layer_variants(args))) | {
-        "attention_variant", "layer_pattern", "group_query_attention", "seq_length",
+        "attention_variant", "layer_pattern", "group_query_attention",
         "make_vocab_size_divisible_by", "bf16", "fp16", "seed", "use_distributed_optimizer"}
     keep.discard("tokenizer_vocab_size")
     values = {k: getattr(args, k) for k in keep if hasattr(args, k)}
