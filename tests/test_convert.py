@@ -280,3 +280,23 @@ def test_variant_hf_param_map_copies_what_the_folder_holds(work, tmp_path, monke
     pq = [f"decoder.layers.{i}.self_attention.core_attention.p_q" for i in range(4)]
     assert set(pq) <= set(summary.copied) and not set(pq) & set(summary.created)
     assert all(n.endswith("p_k") for n in summary.created)
+
+
+def test_qk_layernorm_fills_the_slot_or_is_refused_by_name():
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_subq.config import SubqTransformerConfig
+    from megatron_subq.slots import SubqLocalSpecProvider, attention_slot_spec
+    from megatron_subq.norm import LocalNorm
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, qk_layernorm=True)
+    spec = attention_slot_spec(SubqTransformerConfig(**base, attention_variant="asa",
+                                                     asa_rank=4), 1, SubqLocalSpecProvider())
+    assert spec.submodules.q_layernorm is LocalNorm and spec.submodules.k_layernorm is LocalNorm
+    plain = attention_slot_spec(SubqTransformerConfig(**{**base, "qk_layernorm": False}), 1,
+                                SubqLocalSpecProvider())
+    assert plain.submodules.q_layernorm is IdentityOp
+    with pytest.raises(ValueError, match="qk_layernorm=True is not supported by the attention "
+                                         "variant 'static_emb_qk'"):
+        attention_slot_spec(SubqTransformerConfig(**base, attention_variant="static_emb_qk"), 1,
+                            SubqLocalSpecProvider())
