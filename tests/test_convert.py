@@ -208,6 +208,10 @@ def test_bad_input_names_the_file_or_field_and_writes_nothing(tmp_path):
         _edit_config(bad, **{field: value})
         fails(bad, match)
 
+    qwen3 = str(tmp_path / "qwen3")
+    save_tiny_hf("qwen3", qwen3, num_hidden_layers=2)
+    fails(qwen3, "qk_layernorm=True is not supported by the attention variant 'static_emb_qk'",
+          attention_variant="static_emb_qk")
     mistral = str(tmp_path / "mistral")
     save_tiny_hf("mistral", mistral, sliding_window=16)
     fails(mistral, "sliding_window=16")

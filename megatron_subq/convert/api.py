@@ -286,6 +286,10 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     one = _one_rank_copy(args)
     config = _build_config(one)  # the variants' own checks, before reading any tensor
     layers = list(config.layer_variants)
+    from ..slots import attention_slot_spec  # noqa: PLC0415
+
+    for n in range(1, config.num_layers + 1):  # what the slots refuse (q/k norms), up front
+        attention_slot_spec(config, n)
 
     reader = hf_io.HFReader(hf)
     try:
