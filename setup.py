@@ -32,5 +32,8 @@ setup(
         "tokenizers": ["tokenizers", "mistral-common"],
         "logging": ["tensorboard"],
         "plots": ["matplotlib"],
+        # checkpoint conversion (megatron_subq.convert, tools/convert_checkpoint.py): native
+        # NemotronH starts at transformers 5.3
+        "convert": ["transformers>=5.3", "safetensors"],
     },
 )

@@ -14,10 +14,12 @@ SDPA core attention; runs on the CPU and under sequence parallelism) or megatron
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SubqTransformerConfig
@@ -84,8 +86,25 @@ def attention_slot_spec(config: SubqTransformerConfig, layer_number: int,
                          f"{config.num_layers}")
     if provider is None:
         provider = get_spec_provider()
-    variant = VARIANTS[config.layer_variants[layer_number - 1]]
-    return variant.attention_spec(config, layer_number, provider)
+    name = config.layer_variants[layer_number - 1]
+    spec = VARIANTS[name].attention_spec(config, layer_number, provider)
+    if config.qk_layernorm:
+        spec = _with_qk_norms(spec, config, provider, name)
+    return spec
+
+
+def _with_qk_norms(spec: ModuleSpec, config, provider, name: str) -> ModuleSpec:
+    """``config.qk_layernorm`` (Qwen3's per-head q/k norms): the provider's norm in the
+    ``q_layernorm``/``k_layernorm`` submodules megatron's ``Attention`` applies before RoPE.
+    A slot without those submodules (the Q/K-source variants, mlp) refuses it by name."""
+    sub = spec.submodules
+    if not all(getattr(sub, n, None) is IdentityOp for n in ("q_layernorm", "k_layernorm")):
+        raise ValueError(f"qk_layernorm=True is not supported by the attention variant {name!r} "
+                         "(its module has no q/k norm slots); allowed: qk_layernorm=False, or a "
+                         "variant built on megatron's SelfAttention")
+    norm = provider.layer_norm(rms_norm=config.normalization == "RMSNorm", for_qk=True)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(
+        sub, q_layernorm=norm, k_layernorm=norm))
 
 
 __all__ = ["HAVE_TE", "SubqLocalSpecProvider", "attention_slot_spec", "check_config",

@@ -259,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("rope", "learned_absolute", "none"),
                    help="default rope (Transformer++), none for a hybrid (Nemotron-H is NoPE)")
     g.add_argument("--rotary-base", type=int, default=10000)
+    _bool_flag(g, "--use-rope-scaling", False,
+               "Llama 3.x RoPE frequency scaling (megatron's rope_scaling: low/high frequency "
+               "factors 1/4, original context 8192)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the factor of --use-rope-scaling (Llama 3.1: 8, Llama 3.2: 32)")
+    _bool_flag(g, "--qk-layernorm", False,
+               "normalise each query and key head (the --normalization kind) before RoPE "
+               "(Qwen3's q/k norms)")
+    _bool_flag(g, "--add-qkv-bias", False,
+               "biases on the query/key/value projection only (Qwen2)")
     g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool_flag(g, "--swiglu", True, "SwiGLU MLP (Transformer++); --no-swiglu for GeLU")

@@ -154,7 +154,8 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "moe_router_topk", "moe_router_score_function",
                     "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
                     "squared_relu",
-                    "tokenizer_vocab_size")
+                    "tokenizer_vocab_size", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
+                    "rope_scaling_factor")
 # what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab_size_divisible_by")
 # variant knobs that choose an implementation or an evaluation ablation, not the model

@@ -122,6 +122,7 @@ def build_config(args):
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -197,6 +198,23 @@ def _layer_pattern(value):
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def bare_model(args, config, vocab_size: int) -> torch.nn.Module:
+    """The bare model of these flags for this pipeline stage (no wrappers): megatron's
+    ``GPTModel``, or its ``MambaModel`` for a hybrid (``config.hybrid_override_pattern``); what
+    ``build_model`` wraps, and what checkpoint conversion fills."""
+    from ..hybrid import build_hybrid_model  # noqa: PLC0415
+    from ..specs import build_gpt_model  # noqa: PLC0415
+
+    common = dict(max_sequence_length=args.max_position_embeddings,
+                  position_embedding_type=args.position_embedding_type,
+                  rotary_base=args.rotary_base,
+                  share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    if config.is_hybrid:
+        return build_hybrid_model(config, vocab_size=vocab_size, **common)
+    return build_gpt_model(config, vocab_size=vocab_size, rope_scaling=args.use_rope_scaling,
+                           rope_scaling_factor=args.rope_scaling_factor, **common)
+
+
 def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
     """[DDP(Float16Module?(GPTModel | MambaModel))] for this pipeline stage (one chunk: no
     virtual PP); the hybrid host when ``config.hybrid_override_pattern`` is set."""
@@ -206,14 +224,7 @@ def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
     )
     from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
 
-    from ..hybrid import build_hybrid_model  # noqa: PLC0415
-    from ..specs import build_gpt_model  # noqa: PLC0415
-
-    build = build_hybrid_model if config.is_hybrid else build_gpt_model
-    model = build(
-        config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    model = bare_model(args, config, vocab_size)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
