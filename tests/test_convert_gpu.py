@@ -33,6 +33,10 @@ def test_real_width_llama_bf16_logits_and_conversion_time(tmp_path):
     from megatron_subq.convert import export_hf, import_hf, load_converted_model
     from megatron_subq.testing.convert import relative_error
 
+    def rms_error(a, b):
+        """RMS of a - b over the RMS of b (max-based errors follow one outlier logit)."""
+        return float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+
     hf, ckpt, out = (str(tmp_path / n) for n in ("hf", "ckpt", "out"))
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**WIDE, dtype="bfloat16")
@@ -41,7 +45,8 @@ def test_real_width_llama_bf16_logits_and_conversion_time(tmp_path):
     model.save_pretrained(hf)
     ids = torch.randint(0, WIDE["vocab_size"], (1, 512), device="cuda")
     with torch.no_grad():
-        ref = model(ids).logits.float().cpu()
+        ref_bf16 = model(ids).logits.float().cpu()
+        ref = model.float()(ids).logits.float().cpu()  # the same weights in float32: the truth
     del model
     torch.cuda.empty_cache()
 
@@ -59,15 +64,18 @@ def test_real_width_llama_bf16_logits_and_conversion_time(tmp_path):
     pos = torch.arange(ids.shape[1], device="cuda").unsqueeze(0)
     with torch.no_grad():
         got = megatron(ids, pos, None).float().cpu()
-    rel = relative_error(got, ref)
+    rel, rel_hf = rms_error(got, ref), rms_error(ref_bf16, ref)
     gb = summary.nbytes / 1e9
     record = {"gpu": torch.cuda.get_device_name(), "gb": round(gb, 3),
               "import_s": round(import_s, 1), "import_s_per_gb": round(import_s / gb, 2),
               "export_s": round(export_s, 1), "export_s_per_gb": round(export_s / gb, 2),
-              "bf16_logits_relative_error": rel, "tokens": ids.shape[1]}
+              "bf16_logits_rms_error_vs_fp32": rel, "hf_bf16_rms_error_vs_fp32": rel_hf,
+              "bf16_logits_max_error_vs_hf_bf16": relative_error(got, ref_bf16),
+              "tokens": ids.shape[1]}
     print("CONVERT-TIMING " + json.dumps(record))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "convert_timing.json"), "w") as f:
             json.dump(record, f, indent=2)
-    # bf16 end to end (different kernels on both sides); float32 equality is the CPU tests' job
-    assert rel < 3e-2, record
+    # bf16 end to end: ours must be as close to the float32 truth as HF's own bf16 run is
+    # (different kernels on both sides); float32 equality is the CPU tests' job
+    assert rel <= 2 * rel_hf + 1e-3, record
