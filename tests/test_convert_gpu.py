@@ -41,13 +41,19 @@ def test_real_width_llama_bf16_logits_and_conversion_time(tmp_path):
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**WIDE, dtype="bfloat16")
     with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.save_pretrained(hf)
-    ids = torch.randint(0, WIDE["vocab_size"], (1, 512), device="cuda")
-    with torch.no_grad():
-        ref_bf16 = model(ids).logits.float().cpu()
-        ref = model.float()(ids).logits.float().cpu()  # the same weights in float32: the truth
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(hf)  # bf16 weights, as published checkpoints are
     del model
+    ids = torch.randint(0, WIDE["vocab_size"], (1, 512), device="cuda")
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):  # reloaded: RoPE's inv_freq computed afresh
+        # (a model cast with .to(bfloat16) keeps a bf16-rounded inv_freq buffer, which is not
+        # what from_pretrained gives and drifts with position)
+        model = transformers.LlamaForCausalLM.from_pretrained(hf, dtype=dtype).cuda().eval()
+        with torch.no_grad():
+            refs[dtype] = model(ids).logits.float().cpu()
+        del model
+    ref, ref_bf16 = refs[torch.float32], refs[torch.bfloat16]
     torch.cuda.empty_cache()
 
     subq.init_single_process()  # nccl on the GPU; conversion reuses this world of one
