@@ -2,9 +2,12 @@
 
     python examples/quickstart.py                      # standard attention, 40 steps
     python examples/quickstart.py --attention-variant asa --steps 60
+    python examples/quickstart.py --hybrid --attention-variant superlinear   # Mamba-2 + MoE host
 
 It uses the library API directly (``init_single_process`` -> ``SubqTransformerConfig`` ->
-``build_gpt_model``) with megatron-core's DDP wrapper, optimizer and LR scheduler (warm-up, then
+``build_gpt_model``; with ``--hybrid``, ``hybrid_preset("tiny-hybrid")`` -> ``build_hybrid_model``:
+Mamba-2, attention, MLP and MoE layers) with megatron-core's DDP wrapper, ``finalize_model_grads``
+(which also updates a MoE router's expert bias), optimizer and LR scheduler (warm-up, then
 cosine decay), on real text from ../shared/data (byte-level tokens, so no tokenizer is needed) or
 random tokens when that file is absent. Every 10 steps it prints the loss on a fixed held-out set,
 which must end below its value at step 10 (the exit status is 1 otherwise); single batches' losses
@@ -53,13 +56,19 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--attention-variant", default="standard", choices=sorted(VARIANTS))
+    p.add_argument("--hybrid", action="store_true",
+                   help="the tiny hybrid Mamba-2 + MoE host (docs/hybrid.md) instead of a GPT")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
     args = p.parse_args(argv)
 
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -71,11 +80,19 @@ def main(argv=None) -> int:
     )
 
     init_single_process(seed=1234)
-    config = SubqTransformerConfig(
-        num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=384, attention_variant=args.attention_variant,
-        use_cpu_initialization=True)
-    model = build_gpt_model(config, vocab_size=256, max_sequence_length=args.seq_length)
+    if args.hybrid:
+        from megatron_subq.hybrid import build_hybrid_model, hybrid_preset
+
+        config, kwargs = hybrid_preset("tiny-hybrid", attention_variant=args.attention_variant,
+                                       use_cpu_initialization=True, vocab_size=256,
+                                       max_sequence_length=args.seq_length)
+        model = build_hybrid_model(config, **kwargs)
+    else:
+        config = SubqTransformerConfig(
+            num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2,
+            ffn_hidden_size=384, attention_variant=args.attention_variant,
+            use_cpu_initialization=True)
+        model = build_gpt_model(config, vocab_size=256, max_sequence_length=args.seq_length)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model = model.to(device)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
@@ -109,7 +126,7 @@ def main(argv=None) -> int:
         optimizer.zero_grad()
         loss = model(tokens, pos, None, labels=labels).float().mean()
         loss.backward()
-        model.finish_grad_sync()
+        finalize_model_grads([model])  # DP gradient sync, SP norms, MoE expert-bias update
         ok, grad_norm, _ = optimizer.step()
         if ok:
             scheduler.step(increment=1)
