@@ -111,7 +111,8 @@ def _parse_trainer(data: dict, vocab: int, world_size: int) -> argparse.Namespac
     from ..training import arguments  # noqa: PLC0415
 
     parser = arguments.build_parser()
-    scaffold = ["--seq-length", "1", "--micro-batch-size", "1", "--mock-data",
+    seq = str(data.get("tensor_model_parallel_size", 1))  # divisible by TP (sequence parallel)
+    scaffold = ["--seq-length", seq, "--micro-batch-size", "1", "--mock-data",
                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
                 "--train-iters", "1", "--lr", "0"]
     err = io.StringIO()
@@ -278,6 +279,8 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     if ep != 1:
         flags["expert_model_parallel_size"] = ep
+    if tp > 1 and flags.get("num_experts"):  # megatron's MoE layer needs it under TP
+        flags["sequence_parallel"] = True
     if attention_variant is not None:
         flags["attention_variant"] = attention_variant
     if layer_pattern is not None:
