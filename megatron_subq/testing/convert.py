@@ -1,8 +1,9 @@
 """Conversion tests' helpers: tiny random Hugging Face models per family, and logits of both sides.
 
 ``save_tiny_hf(case, folder)`` builds the tiny model of ``TINY_HF[case]`` with transformers (no
-download; ``tiny_nemotron_h`` the hybrid host's NemotronH), perturbs every parameter (HF initialises norms to 1 and biases to 0, which would hide
-a misplaced norm or bias) and ``save_pretrained``s it. ``hf_logits`` runs it; ``converted_logits``
+download; ``tiny_nemotron_h``: the hybrid host's NemotronH), perturbs every parameter (HF
+initialises norms to 1 and biases to 0, which would hide a misplaced norm or bias) and
+``save_pretrained``s it. ``hf_logits`` runs it; ``converted_logits``
 runs a converted checkpoint under the current parallel state (any TP/PP, megatron's pipeline
 schedule) and returns the full logits on the last stage (None elsewhere).
 """

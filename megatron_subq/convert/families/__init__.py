@@ -1,7 +1,7 @@
 """The families the converter knows: HF architecture name -> ``Family`` (see ``base.py``).
 
-A new family (e.g. the hybrid host's ``nemotron_h``) is one module defining ``FAMILY`` and one entry in
-``FAMILIES`` below.
+A new family (e.g. the hybrid host's ``nemotron_h``) is one module defining ``FAMILY`` and one
+entry in ``FAMILIES`` below.
 """
 
 from __future__ import annotations
