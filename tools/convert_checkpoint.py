@@ -44,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                      help="checked against the layer count; written into model.yaml")
     imp.add_argument("--expert-model-parallel-size", type=int, default=1,
-                     help="1 for the GPT-host families (no experts)")
+                     help="1 for models without experts; NemotronH MoE: a divisor of "
+                          "n_routed_experts (written into model.yaml)")
     imp.add_argument("--seed", type=int, default=1234,
                      help="seeds the initialisation of the variant's new parameters, as the "
                           "trainer's --seed")

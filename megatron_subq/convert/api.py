@@ -111,7 +111,8 @@ def _parse_trainer(data: dict, vocab: int, world_size: int) -> argparse.Namespac
     from ..training import arguments  # noqa: PLC0415
 
     parser = arguments.build_parser()
-    scaffold = ["--seq-length", "1", "--micro-batch-size", "1", "--mock-data",
+    seq = str(data.get("tensor_model_parallel_size", 1))  # divisible by TP (sequence parallel)
+    scaffold = ["--seq-length", seq, "--micro-batch-size", "1", "--mock-data",
                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(vocab),
                 "--train-iters", "1", "--lr", "0"]
     err = io.StringIO()
@@ -175,7 +176,8 @@ def one_process(seed: int):
 
 def host_model(args, config, vocab: int):
     """This pipeline stage's bare host model of the trainer arguments ``args``: the one place
-    the converter builds a model (the GPT host today; a hybrid host dispatches here too)."""
+    the converter builds a model (the GPT host, or the hybrid host when
+    ``--hybrid-override-pattern`` is set)."""
     from ..training.trainer import bare_model  # noqa: PLC0415
 
     return bare_model(args, config, vocab)
@@ -225,17 +227,20 @@ def model_flags(hf_config: dict, family: Optional[Family] = None) -> dict:
     return family.trainer_flags(hf_config)
 
 
-def _hf_param_maps(args, config, layers: List[str], reader) -> List:
+def _hf_param_maps(args, config, layers: List[Optional[str]], reader,
+                   prefix: str = "model.layers.{i}.") -> List:
     """The variants' own ``hf_param_map`` entries the HF folder holds: names relative to layer
-    i's attention slot (``decoder.layers.i.self_attention.``) and to the HF layer
-    (``model.layers.i.``)."""
+    i's attention slot (``decoder.layers.i.self_attention.``) and to the HF layer (the family's
+    ``hf_layer_prefix``); layers without an attention slot (None: a hybrid's M/-/E) have none."""
     from ..variants import VARIANTS  # noqa: PLC0415
     from .families.base import TensorMap  # noqa: PLC0415
 
     maps = []
     for i, name in enumerate(layers):
+        if name is None:
+            continue
         for meg, hf in (VARIANTS[name].hf_param_map(config) or {}).items():
-            hf_name = f"model.layers.{i}.{hf}"
+            hf_name = prefix.format(i=i) + hf
             if hf_name in reader.weight_map:
                 maps.append(TensorMap(f"decoder.layers.{i}.self_attention.{meg}", (hf_name,),
                                       (reader.shape(hf_name),), layer=i, part="attention"))
@@ -261,23 +266,28 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     at any). Raises ValueError / FileNotFoundError naming the field, flag or file, before
     anything is written."""
     start = time.perf_counter()
-    if expert_model_parallel_size != 1:
-        raise ValueError(f"--expert-model-parallel-size={expert_model_parallel_size} is invalid "
-                         "for the GPT-host families (no experts): allowed 1")
     _check_target(save, "--save")
     cfg = hf_io.read_config(hf)
     family = family_for_config(cfg, os.path.join(hf, "config.json"))
     flags = dict(family.trainer_flags(cfg))
+    ep = expert_model_parallel_size
+    if ep != 1 and not flags.get("num_experts"):
+        raise ValueError(f"--expert-model-parallel-size={ep} is invalid for a {family.name} "
+                         "model without experts: allowed 1")
     vocab = cfg["vocab_size"]
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     flags.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if ep != 1:
+        flags["expert_model_parallel_size"] = ep
+    if tp > 1 and flags.get("num_experts"):  # megatron's MoE layer needs it under TP
+        flags["sequence_parallel"] = True
     if attention_variant is not None:
         flags["attention_variant"] = attention_variant
     if layer_pattern is not None:
         flags["layer_pattern"] = (",".join(layer_pattern) if isinstance(layer_pattern, list)
                                   else layer_pattern)
     flags.update(knobs or {})
-    args = _parse_trainer(flags, vocab, world_size=tp * pp)
+    args = _parse_trainer(flags, vocab, world_size=tp * pp * ep)
     for what, size in (("config.json vocab_size", vocab),
                        ("config.json intermediate_size", args.ffn_hidden_size)):
         if size % tp:
@@ -289,17 +299,19 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     from ..slots import attention_slot_spec  # noqa: PLC0415
 
     for n in range(1, config.num_layers + 1):  # what the slots refuse (q/k norms), up front
-        attention_slot_spec(config, n)
+        if layers[n - 1] is not None:  # a hybrid's M/-/E layers have no attention slot
+            attention_slot_spec(config, n)
 
     reader = hf_io.HFReader(hf)
     try:
-        maps = family.tensor_maps(one, vocab) + _hf_param_maps(one, config, layers, reader)
+        maps = family.tensor_maps(one, vocab) + _hf_param_maps(
+            one, config, layers, reader, family.hf_layer_prefix)
         _check_hf_tensors(reader, maps, hf, family)
         tmp = _fresh_target(save, "--save")
         try:
             summary = _import_into(tmp, reader, maps, family, one, config, vocab, seed,
                                    progress, log)
-            saved_flags = _write_model_yaml(tmp, flags, args, save)
+            saved_flags = _write_model_yaml(tmp, flags, args, save, family.script)
             shutil.copyfile(os.path.join(hf, "config.json"), os.path.join(tmp, HF_CONFIG))
             side = [n for n in hf_io.SIDE_FILES if os.path.isfile(os.path.join(hf, n))]
             if side:
@@ -318,7 +330,7 @@ def import_hf(hf: str, save: str, *, tensor_model_parallel_size: int = 1,
     log(summary.text())
     log(f"trainer flags of this model (in {os.path.join(save, MODEL_YAML)}): "
         + " ".join(_as_cli(saved_flags)))
-    log(f"train it with: examples/pretrain_gpt.py --config {os.path.join(save, MODEL_YAML)} "
+    log(f"train it with: {family.script} --config {os.path.join(save, MODEL_YAML)} "
         f"--load {os.path.abspath(save)} --save NEW_FOLDER [data, tokenizer, schedule flags]")
     return summary
 
@@ -353,11 +365,12 @@ def _import_into(tmp, reader, maps, family, args, config, vocab, seed, progress,
     with one_process(seed):
         model = host_model(args, config, vocab)
         params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())  # e.g. the MoE router's expert bias
         used = set()
         bar = _progress(progress, "import")(len(maps))
         for tm in maps:
             bar.update(1)
-            target = params.get(tm.megatron)
+            target = params.get(tm.megatron, buffers.get(tm.megatron))
             if target is None:  # the variant's slot has no such tensor
                 summary.dropped.extend(tm.hf)
                 continue
@@ -389,7 +402,9 @@ def _checkpoint_args(args, vocab: int, root: str) -> argparse.Namespace:
 
     keep = set(model_args(layer_variants(args))) | {
         "attention_variant", "layer_pattern", "group_query_attention",
-        "make_vocab_size_divisible_by", "bf16", "fp16", "seed", "use_distributed_optimizer"}
+        "make_vocab_size_divisible_by", "bf16", "fp16", "seed", "use_distributed_optimizer",
+        # the hybrid host's layout and router dtype (the trainer stores every argument)
+        "hybrid_override_pattern", "is_hybrid_model", "moe_router_dtype"}
     keep.discard("tokenizer_vocab_size")
     values = {k: getattr(args, k) for k in keep if hasattr(args, k)}
     values.update(padded_vocab_size=vocab, tensor_model_parallel_size=1,
@@ -398,7 +413,8 @@ def _checkpoint_args(args, vocab: int, root: str) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def _write_model_yaml(tmp: str, flags: dict, args, save: str) -> dict:
+def _write_model_yaml(tmp: str, flags: dict, args, save: str,
+                      script: str = "examples/pretrain_gpt.py") -> dict:
     """``model.yaml``: the trainer flags that rebuild this model (``--config`` reads it)."""
     import yaml  # noqa: PLC0415
 
@@ -410,7 +426,7 @@ def _write_model_yaml(tmp: str, flags: dict, args, save: str) -> dict:
         out["layer-pattern"] = args.layer_pattern
     with open(os.path.join(tmp, MODEL_YAML), "w", encoding="utf-8") as f:
         f.write(f"# trainer flags of the model converted into {os.path.abspath(save)}\n"
-                f"# examples/pretrain_gpt.py --config {MODEL_YAML} --load "
+                f"# {script} --config {MODEL_YAML} --load "
                 f"{os.path.abspath(save)} ...\n")
         yaml.safe_dump(out, f, sort_keys=False)
     return out
@@ -455,7 +471,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
                                 "folder holding latest_checkpointed_iteration.txt and iter_*)")
     saved = saved_args(folder)
     layers = layer_variants(saved) or []
-    odd = [f"{i + 1} ({v})" for i, v in enumerate(layers) if v != "standard"]
+    odd = [f"{i + 1} ({v})" for i, v in enumerate(layers) if v not in ("standard", None)]
     if odd or not layers:
         raise ValueError(f"--load {load}: only models whose every attention layer is 'standard' "
                          "export to Hugging Face; layer(s) " + (", ".join(odd) or "unresolved")
@@ -529,8 +545,20 @@ def _write_hf_config(folder: str, cfg: dict, family: Family) -> None:
         with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
         return
-    values = {k: v for k, v in cfg.items() if k != "model_type"}
+    values = {k: _json_floats(v) for k, v in cfg.items() if k != "model_type"}
     AutoConfig.for_model(family.model_type, **values).save_pretrained(folder)
+
+
+def _json_floats(value):
+    """``value`` with transformers' JSON encoding of non-finite floats (``{"__float__":
+    "Infinity"}``, e.g. NemotronH's ``time_step_limit``) decoded, so the config class accepts it."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _json_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_floats(v) for v in value]
+    return value
 
 
 def checkpoint_namespace(saved: dict, folder: str = "the checkpoint"):

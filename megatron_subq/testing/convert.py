@@ -1,8 +1,9 @@
 """Conversion tests' helpers: tiny random Hugging Face models per family, and logits of both sides.
 
 ``save_tiny_hf(case, folder)`` builds the tiny model of ``TINY_HF[case]`` with transformers (no
-download), perturbs every parameter (HF initialises norms to 1 and biases to 0, which would hide
-a misplaced norm or bias) and ``save_pretrained``s it. ``hf_logits`` runs it; ``converted_logits``
+download; ``tiny_nemotron_h``: the hybrid host's NemotronH), perturbs every parameter (HF
+initialises norms to 1 and biases to 0, which would hide a misplaced norm or bias) and
+``save_pretrained``s it. ``hf_logits`` runs it; ``converted_logits``
 runs a converted checkpoint under the current parallel state (any TP/PP, megatron's pipeline
 schedule) and returns the full logits on the last stage (None elsewhere).
 """
@@ -44,6 +45,36 @@ def tiny_hf_model(case: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+# A tiny NemotronH (transformers >= 5.3): every layer kind (M, *, E, -), GQA, 4 experts top-2.
+# HF's CPU Mamba path floors dt at time_step_min (megatron: no floor) and its inter-chunk
+# recurrence is wrong (transformers #47246): time_step_min ~ 0, sequences <= chunk_size.
+TINY_NEMOTRON_H = dict(
+    vocab_size=96, hidden_size=32, layers_block_type=[
+        "linear_attention", "full_attention", "moe", "mlp", "linear_attention", "moe"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+    mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=64,
+    n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+    moe_shared_expert_intermediate_size=48, routed_scaling_factor=2.5, time_step_min=1e-7,
+    max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def tiny_nemotron_h(seed: int = 0, **overrides):
+    """The tiny random NemotronH of ``TINY_NEMOTRON_H`` (float32, eval), every parameter and the
+    routers' expert biases perturbed (HF initialises them to 0/1)."""
+    import transformers  # noqa: PLC0415
+
+    config = transformers.NemotronHConfig(**{**TINY_NEMOTRON_H, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
     return model
 
 
@@ -103,6 +134,21 @@ def converted_logits(load: str, ids: torch.Tensor, **overrides) -> Optional[torc
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|."""
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def train_three_steps(ckpt: str, save: str, vocab: int, script_flags=()) -> dict:
+    """The trainer, 3 steps at TP=1 from the converted ``ckpt`` with its model.yaml (mock
+    data), saving into ``save``; its summary."""
+    import os  # noqa: PLC0415
+
+    from ..training import pretrain  # noqa: PLC0415
+
+    return pretrain([
+        "--config", os.path.join(ckpt, "model.yaml"), "--load", ckpt, "--save", save,
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "3", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+        "NullTokenizer", "--vocab-size", str(vocab - 1), "--eval-iters", "0",
+        "--log-interval", "1", "--num-workers", "0", *script_flags])
 
 
 def four_rank_checks(cases, root: str, vocab: int, runs) -> dict:

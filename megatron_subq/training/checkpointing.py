@@ -601,8 +601,13 @@ def _drop_tensors_not_in(request: dict, folder: str) -> list:
 
 
 def _sharded_keys(folder: str) -> set:
+    """The top-level names stored in ``folder`` (``rng_state`` when the RNG states were saved)."""
+    from megatron.core.dist_checkpointing.serialization import (  # noqa: PLC0415
+        load_sharded_metadata,
+    )
+
     try:
-        return {k.split(".")[0] for k in dist_checkpointing.load_sharded_metadata(folder)}
+        return {k.split(".")[0].split("/")[0] for k in load_sharded_metadata(folder)}
     except Exception:  # noqa: BLE001 - older formats: assume present
         return {"rng_state"}
 

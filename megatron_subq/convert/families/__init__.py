@@ -1,18 +1,18 @@
 """The families the converter knows: HF architecture name -> ``Family`` (see ``base.py``).
 
-A new family (the hybrid host's NemotronH) is one module defining ``FAMILY`` and one entry in
-``FAMILIES`` below.
+A new family (e.g. the hybrid host's ``nemotron_h``) is one module defining ``FAMILY`` and one
+entry in ``FAMILIES`` below.
 """
 
 from __future__ import annotations
 
 from typing import Dict, Optional
 
-from . import llama, mistral, qwen2, qwen3
+from . import llama, mistral, nemotron_h, qwen2, qwen3
 from .base import Family, TensorMap
 
 FAMILIES: Dict[str, Family] = {f.name: f for f in (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY,
-                                                   qwen3.FAMILY)}
+                                                   qwen3.FAMILY, nemotron_h.FAMILY)}
 
 
 def supported_architectures() -> list:
@@ -33,8 +33,9 @@ def family_for_config(cfg: dict, where: str = "config.json") -> Family:
 
 
 def family_for_args(args) -> Optional[Family]:
-    """The family of a checkpoint's arguments when no config.json came with it: the first whose
-    switches (q/k/v biases, q/k norms) match; Mistral is never guessed (it exports as Llama)."""
+    """The family of a checkpoint's arguments when no config.json came with it: NemotronH for a
+    hybrid, else the first GPT family whose switches (q/k/v biases, q/k norms) match; Mistral is
+    never guessed (it exports as Llama)."""
     return next((f for f in FAMILIES.values() if f.name != "mistral" and f.matches_args(args)),
                 None)
 

@@ -102,3 +102,7 @@ class Family:
     hf_config: Callable[..., dict] = None
     # does a checkpoint's argument set describe this family (export without a stored config.json)
     matches_args: Callable[..., bool] = field(default=lambda args: False)
+    # the HF name prefix of layer i's attention-slot tensors (variants' ``hf_param_map``)
+    hf_layer_prefix: str = "model.layers.{i}."
+    # the trainer script of this family's host (printed after an import)
+    script: str = "examples/pretrain_gpt.py"

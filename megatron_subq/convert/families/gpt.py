@@ -185,7 +185,8 @@ def gpt_family(name: str, architectures, model_type: str, summary: str, *,
         return cfg
 
     def matches_args(args) -> bool:
-        return (bool(getattr(args, "add_qkv_bias", False)) == qkv_bias
+        return (not getattr(args, "hybrid_override_pattern", None)
+                and bool(getattr(args, "add_qkv_bias", False)) == qkv_bias
                 and bool(getattr(args, "qk_layernorm", False)) == qk_norm)
 
     return Family(name=name, architectures=tuple(architectures), model_type=model_type,
