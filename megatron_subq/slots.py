@@ -75,6 +75,14 @@ def check_config(config) -> None:
                         f"{type(config).__name__}")
 
 
+def check_model_sizes(vocab_size, max_sequence_length) -> None:
+    """A ``ValueError`` naming the argument unless both are positive integers (every host's
+    builder checks them before building)."""
+    for name, value in (("vocab_size", vocab_size), ("max_sequence_length", max_sequence_length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: allowed a positive integer")
+
+
 def attention_slot_spec(config: SubqTransformerConfig, layer_number: int,
                         provider: Optional[BackendSpecProvider] = None) -> ModuleSpec:
     """The spec of layer ``layer_number``'s attention slot (1-based, global over pipeline
@@ -108,4 +116,4 @@ def _with_qk_norms(spec: ModuleSpec, config, provider, name: str) -> ModuleSpec:
 
 
 __all__ = ["HAVE_TE", "SubqLocalSpecProvider", "attention_slot_spec", "check_config",
-           "get_spec_provider"]
+           "check_model_sizes", "get_spec_provider"]

@@ -28,7 +28,13 @@ from megatron.core.transformer.transformer_layer import (
 
 from .config import SubqTransformerConfig
 from .model import model_class
-from .slots import HAVE_TE, attention_slot_spec, check_config, get_spec_provider
+from .slots import (
+    HAVE_TE,
+    attention_slot_spec,
+    check_config,
+    check_model_sizes,
+    get_spec_provider,
+)
 
 
 def _norm(config, provider) -> type:
@@ -97,11 +103,7 @@ def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence
     processing. Any ``GPTModel`` argument can be passed through ``gpt_kwargs``.
     """
     check_config(config)
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size!r} is invalid: allowed a positive integer")
-    if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
-        raise ValueError(f"max_sequence_length={max_sequence_length!r} is invalid: allowed a "
-                         "positive integer")
+    check_model_sizes(vocab_size, max_sequence_length)
     if parallel_state.model_parallel_is_initialized():
         gpt_kwargs.setdefault("pre_process",
                               parallel_state.is_pipeline_first_stage(ignore_virtual=False,

@@ -14,7 +14,7 @@ from megatron.core.models.mamba import MambaModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from ..config import SubqTransformerConfig
-from ..slots import check_config, get_spec_provider
+from ..slots import check_config, check_model_sizes, get_spec_provider
 from .specs import hybrid_layer_spec
 from .stack import HybridStack, HybridStackSubmodules
 
@@ -38,11 +38,7 @@ def build_hybrid_model(config: SubqTransformerConfig, vocab_size: int, max_seque
     """A megatron-core ``MambaModel`` of ``config.hybrid_override_pattern`` for this pipeline
     stage. Any ``MambaModel`` argument can be passed through ``mamba_kwargs``."""
     check_config(config)
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size!r} is invalid: allowed a positive integer")
-    if not isinstance(max_sequence_length, int) or max_sequence_length < 1:
-        raise ValueError(f"max_sequence_length={max_sequence_length!r} is invalid: allowed a "
-                         "positive integer")
+    check_model_sizes(vocab_size, max_sequence_length)
     if "hybrid_override_pattern" in mamba_kwargs:
         raise ValueError("hybrid_override_pattern is a config field: set "
                          "SubqTransformerConfig.hybrid_override_pattern, not a model argument")
