@@ -136,14 +136,20 @@ def test_the_ops_import_and_run_without_triton():
 
 
 def _count_host_reads(monkeypatch, tensor):
-    """Count ``tensor.tolist()`` calls (a host sync on a GPU tensor)."""
-    calls = []
+    """Count ``tensor.tolist()`` calls (a host sync on a GPU tensor). Only outermost calls count:
+    under a torch function mode (the CPU fallbacks another test may have installed in this
+    process) the original ``tolist`` dispatches through the patched attribute again."""
+    calls, active = [], []
     tolist = torch.Tensor.tolist
 
     def counted(self, *args, **kwargs):
-        if self is tensor:
+        if self is tensor and not active:
             calls.append(1)
-        return tolist(self, *args, **kwargs)
+        active.append(1)
+        try:
+            return tolist(self, *args, **kwargs)
+        finally:
+            active.pop()
 
     monkeypatch.setattr(torch.Tensor, "tolist", counted)
     return calls
