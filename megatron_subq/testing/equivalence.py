@@ -159,3 +159,44 @@ def fit_repeating_batch(model: torch.nn.Module, steps: int, lr: float = 3e-3, **
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def _reinit_parallel(tp: int, pp: int, seed: int) -> None:
+    """Switch this world to (tp, pp), seeded as ``run_distributed`` seeds a fresh rank."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             pipeline_model_parallel_size=pp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+# layout name -> (TP, PP, sequence parallel); "tp1"/"pp1" are the references (a world of one)
+LAYOUTS = {"tp1": (1, 1, False), "pp1": (1, 1, False), "tp2": (2, 1, False),
+           "tp2-sp": (2, 1, True), "pp2": (1, 2, False)}
+
+
+def every_case_every_layout(cases: list, layouts: list, seed: int = 1234) -> dict:
+    """{case name: {layout: result}} for ``cases`` ([(name, config kwargs)]) at each of
+    ``layouts`` (keys of ``LAYOUTS``), all in this one world (re-initialised between them, as a
+    fresh ``run_distributed`` rank would be): ``tiny_gpt_step`` for the TP layouts,
+    ``tiny_gpt_pipeline_losses`` for the PP ones. A failure is kept as ("error", traceback) for
+    that case and layout alone, so one test per case reports its own. One process launch
+    instead of one per case and layout (launches dominate the CPU suite's time)."""
+    import traceback  # noqa: PLC0415
+
+    out = {}
+    for name, kwargs in cases:
+        out[name] = {}
+        for layout in layouts:
+            tp, pp, sp = LAYOUTS[layout]
+            try:
+                _reinit_parallel(tp, pp, seed)
+                if layout.startswith("pp"):
+                    out[name][layout] = tiny_gpt_pipeline_losses(kwargs)
+                else:
+                    out[name][layout] = tiny_gpt_step({**kwargs, "sequence_parallel": sp})
+            except Exception:  # noqa: BLE001 - reported by that case's test
+                out[name][layout] = ("error", traceback.format_exc())
+    return out
