@@ -16,11 +16,25 @@ every family, so a family is a table plus its config translation.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 Shape = Tuple[int, ...]
+
+
+def refuse(field: str, value: Any, allowed: str, host: str) -> None:
+    """The error for a config.json value the ``host`` ("GPT", "hybrid") cannot represent."""
+    raise ValueError(f"config.json: {field}={value!r} cannot be represented by megatron_subq's "
+                     f"{host} host: allowed {allowed}")
+
+
+def dtype_flags(cfg: dict, host: str) -> dict:
+    """--bf16 / --fp16 from config.json's ``dtype`` (transformers 5) or ``torch_dtype`` (4)."""
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        refuse("dtype", dtype, "float32, bfloat16 or float16", host)
+    return dict(bf16=dtype == "bfloat16", fp16=dtype == "float16")
 
 
 def _identity_in(ts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -10,8 +10,11 @@ All four name their tensors alike (``model.layers.N.self_attn.{q,k,v,o}_proj``,
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Dict, List, Optional
 
+from . import base
 from .base import Family, TensorMap, copy, gated_fc1, qkv
 
 # megatron's RotaryEmbedding._apply_scaling fixes these; a llama3 rope_scaling with other
@@ -20,9 +23,7 @@ LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
 
 
-def refuse(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"config.json: {field}={value!r} cannot be represented by megatron_subq's "
-                     f"GPT host: allowed {allowed}")
+refuse = functools.partial(base.refuse, host="GPT")
 
 
 def _rope(cfg: dict) -> Dict[str, Any]:
@@ -105,10 +106,7 @@ def gpt_family(name: str, architectures, model_type: str, summary: str, *,
                      untie_embeddings_and_output_weights=not cfg.get("tie_word_embeddings",
                                                                      False))
         flags.update(_rope(cfg))
-        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            refuse("dtype", dtype, "float32, bfloat16 or float16")
-        flags.update(bf16=dtype == "bfloat16", fp16=dtype == "float16")
+        flags.update(base.dtype_flags(cfg, "GPT"))
         return flags
 
     def tensor_maps(args, vocab: int) -> List[TensorMap]:

@@ -10,8 +10,11 @@ mixer's sharded state dict splits them per component, so the TP=1 import loads a
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, List, Optional
 
+from . import base
 from .base import Family, TensorMap, copy, qkv
 
 # HF block type (transformers 5.3's names and the later ones) -> hybrid_override_pattern symbol
@@ -22,9 +25,7 @@ MAMBA_NORM_EPS = 1e-5  # megatron's Mamba mixer fixes its gated norm's epsilon
 MAMBA_CONV = 4  # megatron's Mamba mixer fixes d_conv
 
 
-def refuse(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"config.json: {field}={value!r} cannot be represented by megatron_subq's "
-                     f"hybrid host: allowed {allowed}")
+refuse = functools.partial(base.refuse, host="hybrid")
 
 
 def hybrid_pattern(cfg: dict) -> str:
@@ -104,10 +105,7 @@ def trainer_flags(cfg: dict) -> dict:
                      moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                      moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                      moe_router_dtype="fp32")
-    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        refuse("dtype", dtype, "float32, bfloat16 or float16")
-    flags.update(bf16=dtype == "bfloat16", fp16=dtype == "float16")
+    flags.update(base.dtype_flags(cfg, "hybrid"))
     return flags
 
 
