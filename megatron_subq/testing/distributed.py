@@ -38,6 +38,16 @@ def init_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, **parallel_kwargs)
     model_parallel_cuda_manual_seed(seed)
 
 
+def reinit_parallel(tp: int = 1, pp: int = 1, seed: int = 1234, **parallel_kwargs) -> None:
+    """Switch an initialised world to another layout between two model builds, seeded exactly
+    as a fresh ``run_distributed`` rank (``init_parallel``): several layouts in one launch."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    init_parallel(tp=tp, pp=pp, seed=seed, **parallel_kwargs)
+
+
 def _worker(rank: int, world_size: int, port: int, tp: int, pp: int, seed: int, backend: str,
             fn: Callable, args: Sequence, out_dir: str, parallel_kwargs: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

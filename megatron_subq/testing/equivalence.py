@@ -161,17 +161,6 @@ def fit_repeating_batch(model: torch.nn.Module, steps: int, lr: float = 3e-3, **
     return losses
 
 
-def _reinit_parallel(tp: int, pp: int, seed: int) -> None:
-    """Switch this world to (tp, pp), seeded as ``run_distributed`` seeds a fresh rank."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             pipeline_model_parallel_size=pp)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
 # layout name -> (TP, PP, sequence parallel); "tp1"/"pp1" are the references (a world of one)
 LAYOUTS = {"tp1": (1, 1, False), "pp1": (1, 1, False), "tp2": (2, 1, False),
            "tp2-sp": (2, 1, True), "pp2": (1, 2, False)}
@@ -186,13 +175,15 @@ def every_case_every_layout(cases: list, layouts: list, seed: int = 1234) -> dic
     instead of one per case and layout (launches dominate the CPU suite's time)."""
     import traceback  # noqa: PLC0415
 
+    from .distributed import reinit_parallel  # noqa: PLC0415
+
     out = {}
     for name, kwargs in cases:
         out[name] = {}
         for layout in layouts:
             tp, pp, sp = LAYOUTS[layout]
             try:
-                _reinit_parallel(tp, pp, seed)
+                reinit_parallel(tp, pp, seed)
                 if layout.startswith("pp"):
                     out[name][layout] = tiny_gpt_pipeline_losses(kwargs)
                 else:

@@ -24,6 +24,7 @@ from megatron.core import parallel_state
 
 from ..config import SubqTransformerConfig
 from .cases import VARIANT_TEST_SETTINGS
+from .distributed import reinit_parallel
 
 HYBRID_TEST_PATTERN = "M*E*-M*E"
 """Every symbol; attention slots at layers 2, 4 and 7 (PP=2 puts two on the first stage)."""
@@ -233,20 +234,13 @@ def parallel_layouts_step(layouts: List[dict], num_microbatches: int = 4, micro_
     """``hybrid_train_step`` at each layout (``dict(tp=, pp=, ep=, sp=)``, plus any config field
     for that layout alone) in turn, re-initialising megatron's parallel state between them (call
     inside a ``run_distributed`` rank)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
-
     batches = make_batches(256, num_microbatches, micro_batch, seq)
     out = []
     for layout in layouts:
         layout = dict(layout)
         tp, pp, ep = layout.pop("tp", 1), layout.pop("pp", 1), layout.pop("ep", 1)
         sp = layout.pop("sp", False)
-        parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
+        reinit_parallel(tp, pp, seed, expert_model_parallel_size=ep)
         config = hybrid_test_config(tp=tp, pp=pp, ep=ep, sp=sp,
                                     **{**(config_overrides or {}), **layout})
         out.append(hybrid_train_step(config, batches, seq=seq))
@@ -256,16 +250,6 @@ def parallel_layouts_step(layouts: List[dict], num_microbatches: int = 4, micro_
 # ---------------------------------------------------------------------------------------------
 # torch_dist checkpoints across layouts
 # ---------------------------------------------------------------------------------------------
-def _reinit(tp: int = 1, ep: int = 1, seed: int = 1234) -> None:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
-
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             expert_model_parallel_size=ep)
-    torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
-
-
 def _hybrid_logits_and_bias(action: str, ckpt_dir: str, tp: int, ep: int, seed: int) -> dict:
     """Build the tiny hybrid at (tp, ep) with weights and expert biases of ``seed``; save it to
     ``ckpt_dir`` or load ``ckpt_dir`` into it; return its full logits and expert biases."""
@@ -277,7 +261,7 @@ def _hybrid_logits_and_bias(action: str, ckpt_dir: str, tp: int, ep: int, seed: 
     from ..hybrid import build_hybrid_model  # noqa: PLC0415
     from .equivalence import make_batch  # noqa: PLC0415
 
-    _reinit(tp, ep)
+    reinit_parallel(tp, expert_model_parallel_size=ep)
     config = hybrid_test_config(tp=tp, ep=ep, sp=tp > 1)
     model = build_hybrid_model(config, vocab_size=256, max_sequence_length=32)
     init_by_global_name(model, config, std=0.05 + 0.01 * seed)
