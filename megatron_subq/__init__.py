@@ -8,10 +8,12 @@ Public API::
     attention_slot_spec        the attention slot of one layer, for any host
     get_spec_provider          megatron's spec provider: TE's, or local modules + our norm/SDPA
     get_gpt_layer_spec, get_gpt_block_spec, build_gpt_model   the GPT host
+    build_hybrid_model, hybrid_preset   the hybrid Mamba-2 + MoE host (docs/hybrid.md)
     init_single_process        one-process torch.distributed + megatron parallel state
     ops                        functional [B, T, H, D] attention ops, one per variant
 """
 
+import importlib as _importlib
 import importlib.util as _importlib_util
 import os as _os
 import sys as _sys
@@ -55,16 +57,29 @@ from .variants import VARIANTS, Variant, register_variant  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY = {"build_hybrid_model": "hybrid", "hybrid_preset": "hybrid"}
+
+
+def __getattr__(name: str):
+    """The hybrid host's entry points, imported on first use: megatron's Mamba modules pull in
+    triton (its inference contexts), which the package itself does not need to import."""
+    if name in _LAZY:
+        module = _importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 __all__ = [
     "SubqTransformerConfig",
     "VARIANTS",
     "Variant",
     "attention_slot_spec",
     "build_gpt_model",
+    "build_hybrid_model",
     "destroy_single_process",
     "get_gpt_block_spec",
     "get_gpt_layer_spec",
     "get_spec_provider",
+    "hybrid_preset",
     "init_single_process",
     "ops",
     "register_variant",

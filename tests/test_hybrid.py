@@ -147,8 +147,10 @@ def test_bad_hybrid_flags_fail_at_start_naming_the_flag(capsys):
 
 
 def test_preset_and_pattern_errors_name_the_field():
-    from megatron_subq import SubqTransformerConfig
-    from megatron_subq.hybrid import hybrid_preset
+    import megatron_subq
+    from megatron_subq import SubqTransformerConfig, hybrid_preset
+
+    assert megatron_subq.build_hybrid_model is megatron_subq.hybrid.build_hybrid_model
 
     with pytest.raises(ValueError, match="hybrid preset 'nano'.*allowed"):
         hybrid_preset("nano")
