@@ -1,0 +1,130 @@
+"""recipes/slurm/train.sbatch on one host: a simulated two-node job (two torchrun agents,
+``--nnodes 2``, c10d rendezvous on localhost, gloo), TP=2 x DP=2 across the two "nodes".
+
+Slurm's ``srun`` and ``scontrol`` are replaced by the stand-ins in tests/data/fake_slurm (one
+task per node in its own process group; requeue recorded). Three launches: an uninterrupted job
+(A); a job whose second "node" is killed after its first checkpoint (B), which must requeue
+itself; and B's requeued attempt, which must resume from B's last complete checkpoint and end with
+A's loss at every iteration.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_subq.distributed import free_port  # noqa: E402
+from megatron_subq.training.checkpointing import read_tracker  # noqa: E402
+
+FAKE_SLURM = os.path.join(ROOT, "tests", "data", "fake_slurm")
+SBATCH = os.path.join(ROOT, "recipes", "slurm", "train.sbatch")
+ITERS, SAVE_EVERY = 8, 3
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The tiny recipe (TP=2, 2 micro-batches per DP rank) and the data it reads."""
+    from test_trainer import HAVE_MISTRAL
+
+    from test_preprocess import corpus_texts, train_tiny_sentencepiece
+    from test_trainer import CORPUS
+    from tools import preprocess_data
+
+    work = tmp_path_factory.mktemp("multinode")
+    model = "mistral" if HAVE_MISTRAL else train_tiny_sentencepiece(
+        str(work), [t[:20000] for t in corpus_texts(20)])
+    out = preprocess_data.main(["--input", CORPUS, "--max-documents", "60", "--output-prefix",
+                                str(work / "docs"), "--tokenizer-type",
+                                "GPTSentencePieceTokenizer", "--tokenizer-model", model,
+                                "--workers", "2", "--no-progress"])
+    recipe = work / "tiny-2node.yaml"
+    recipe.write_text("\n".join([
+        "num-layers: 2", "hidden-size: 64", "num-attention-heads: 4", "num-query-groups: 2",
+        "seq-length: 64", "micro-batch-size: 2", "global-batch-size: 8",
+        f"train-iters: {ITERS}", "lr: 3.0e-3", "min-lr: 3.0e-4", "lr-decay-style: cosine",
+        "lr-warmup-iters: 2", "tensor-model-parallel-size: 2", "sequence-parallel: true",
+        "use-distributed-optimizer: true", "attention-variant: asa",
+        f"data-path: [{out['prefixes']['text']}]", "split: \"90,10,0\"",
+        "tokenizer-type: GPTSentencePieceTokenizer", f"tokenizer-model: {model}",
+        "num-workers: 0", "log-interval: 1", "eval-interval: 100", "eval-iters: 1",
+        f"save-interval: {SAVE_EVERY}", "seed: 1234", ""]))
+    return {"work": work, "recipe": str(recipe)}
+
+
+def _submit(job, name, job_id, restart_count=0, background=False):
+    """sbatch as Slurm would start it on the first of 2 nodes (2 processes each)."""
+    work = job["work"]
+    env = dict(os.environ, PATH=FAKE_SLURM + os.pathsep + os.environ["PATH"],
+               SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[1-2]",
+               SLURM_SUBMIT_DIR=ROOT, SLURM_RESTART_COUNT=str(restart_count),
+               SUBQ_GPUS_PER_NODE="2", SUBQ_PYTHON=sys.executable, MASTER_PORT=str(free_port()),
+               FAKE_SRUN_PIDS=str(work / f"{name}.pids"), FAKE_REQUEUED=str(work / "requeued"),
+               OMP_NUM_THREADS="1", SUBQ_SKIP_PLAN="1")
+    cmd = ["bash", SBATCH, job["recipe"], "--save", str(work / name),
+           "--metrics-file", str(work / f"{name}.jsonl")]
+    log = open(work / f"{name}.attempt{restart_count}.out", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                            start_new_session=True)
+    if background:
+        return proc
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (work / f"{name}.attempt{restart_count}.out").read_text()
+    assert rc == 0, f"sbatch {name} failed ({rc}):\n{text[-6000:]}"
+    return text
+
+
+def _losses(path):
+    """iteration -> the loss of its last attempt (a requeued run appends to the same file)."""
+    losses = {}
+    for line in open(path):
+        record = json.loads(line)
+        if "lm_loss" in record:
+            losses[record["iteration"]] = record["lm_loss"]
+    return losses
+
+
+def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job):
+    work = job["work"]
+    out_a = _submit(job, "a", 101)
+    assert "2 node(s) x 2 GPU(s)" in out_a and read_tracker(str(work / "a")) == ITERS
+    a = _losses(work / "a.jsonl")
+    assert sorted(a) == list(range(1, ITERS + 1))
+    node_logs = sorted(os.listdir(work / "a" / "logs" / "job-101"))
+    assert node_logs == ["node0.attempt0.log", "node1.attempt0.log"], node_logs
+
+    # B: kill "node" 1 (its agent and workers) once the first checkpoint is complete
+    proc = _submit(job, "b", 202, background=True)
+    deadline = time.time() + 400
+    while read_tracker(str(work / "b")) is None:
+        assert proc.poll() is None and time.time() < deadline, \
+            (work / "b.attempt0.out").read_text()[-4000:]
+        time.sleep(0.5)
+    pids = dict(line.split() for line in open(work / "b.pids"))
+    os.killpg(int(pids["1"]), signal.SIGKILL)
+    rc = proc.wait(timeout=300)
+    first = (work / "b.attempt0.out").read_text()
+    assert rc != 0, first[-3000:]
+    assert "requeueing job 202" in first and open(work / "requeued").read().split() == ["202"]
+    resumed_from = read_tracker(str(work / "b"))
+    assert resumed_from is not None and resumed_from < ITERS
+
+    # B's requeued attempt (Slurm sets SLURM_RESTART_COUNT) resumes and finishes
+    _submit(job, "b", 202, restart_count=1)
+    node0 = (work / "b" / "logs" / "job-202" / "node0.attempt1.log").read_text()
+    assert f"loaded checkpoint at iteration {resumed_from} " in node0, node0[-3000:]
+    assert read_tracker(str(work / "b")) == ITERS
+    b = _losses(work / "b.jsonl")
+    assert sorted(b) == list(range(1, ITERS + 1))
+    for it in a:  # same data order, same seeds, same reduction topology: the same numbers
+        assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), (it, a[it], b[it])
