@@ -2,10 +2,11 @@
 ``--nnodes 2``, c10d rendezvous on localhost, gloo), TP=2 x DP=2 across the two "nodes".
 
 Slurm's ``srun`` and ``scontrol`` are replaced by the stand-ins in tests/data/fake_slurm (one
-task per node in its own process group; requeue recorded). Three launches: an uninterrupted job
+task per node in its own process group; requeue recorded). Four launches: an uninterrupted job
 (A); a job whose second "node" is killed after its first checkpoint (B), which must requeue
-itself; and B's requeued attempt, which must resume from B's last complete checkpoint and end with
-A's loss at every iteration.
+itself; B's requeued attempt, which must resume from B's last complete checkpoint and, signalled
+near its "time limit", requeue again, save where it is and exit; and a third attempt that
+resumes there and ends with A's loss at every iteration.
 """
 
 import json
@@ -25,7 +26,7 @@ from megatron_subq.training.checkpointing import read_tracker  # noqa: E402
 
 FAKE_SLURM = os.path.join(ROOT, "tests", "data", "fake_slurm")
 SBATCH = os.path.join(ROOT, "recipes", "slurm", "train.sbatch")
-ITERS, SAVE_EVERY = 8, 3
+ITERS, SAVE_EVERY = 9, 3
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def job(tmp_path_factory):
         f"data-path: [{out['prefixes']['text']}]", "split: \"90,10,0\"",
         "tokenizer-type: GPTSentencePieceTokenizer", f"tokenizer-model: {model}",
         "num-workers: 0", "log-interval: 1", "eval-interval: 100", "eval-iters: 1",
-        f"save-interval: {SAVE_EVERY}", "seed: 1234", ""]))
+        f"save-interval: {SAVE_EVERY}", "seed: 1234", "exit-signal-handler: true", ""]))
     return {"work": work, "recipe": str(recipe)}
 
 
@@ -119,12 +120,59 @@ def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job):
     resumed_from = read_tracker(str(work / "b"))
     assert resumed_from is not None and resumed_from < ITERS
 
-    # B's requeued attempt (Slurm sets SLURM_RESTART_COUNT) resumes and finishes
-    _submit(job, "b", 202, restart_count=1)
+    # B's requeued attempt (Slurm sets SLURM_RESTART_COUNT) resumes; near its "time limit"
+    # (Slurm's --signal=B:USR1 to the batch script) it requeues itself and stops the step with
+    # SIGTERM, on which the trainer (--exit-signal-handler) saves where it is and exits
+    proc = _submit(job, "b", 202, restart_count=1, background=True)
+    metrics = work / "b.jsonl"
+    seen = len(open(metrics).read().splitlines())
+    deadline = time.time() + 400
+    while len(open(metrics).read().splitlines()) == seen:
+        assert proc.poll() is None and time.time() < deadline, \
+            (work / "b.attempt1.out").read_text()[-4000:]
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGUSR1)
+    rc = proc.wait(timeout=300)
+    second = (work / "b.attempt1.out").read_text()
     node0 = (work / "b" / "logs" / "job-202" / "node0.attempt1.log").read_text()
+    assert rc == 0, second[-3000:]
     assert f"loaded checkpoint at iteration {resumed_from} " in node0, node0[-3000:]
+    assert "time limit near: requeueing job 202" in second, second[-3000:]
+    assert open(work / "requeued").read().split() == ["202", "202"]
+    stopped_at = read_tracker(str(work / "b"))
+    assert f"exiting at iteration {stopped_at}: SIGTERM received" in second, second[-3000:]
+    assert resumed_from < stopped_at < ITERS, (resumed_from, stopped_at)
+
+    # the third attempt finishes the run
+    _submit(job, "b", 202, restart_count=2)
+    node0 = (work / "b" / "logs" / "job-202" / "node0.attempt2.log").read_text()
+    assert f"loaded checkpoint at iteration {stopped_at} " in node0, node0[-3000:]
     assert read_tracker(str(work / "b")) == ITERS
     b = _losses(work / "b.jsonl")
     assert sorted(b) == list(range(1, ITERS + 1))
     for it in a:  # same data order, same seeds, same reduction topology: the same numbers
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), (it, a[it], b[it])
+
+
+def test_exit_conditions_without_a_world():
+    """--exit-duration-in-mins and --exit-signal-handler decide alone when there is no world;
+    the launches above cover the all-reduce."""
+    import torch
+
+    from megatron_subq.training.exits import ExitConditions
+
+    assert ExitConditions(False, None, torch.device("cpu")).reason() == ""
+    assert ExitConditions(False, 0.0, torch.device("cpu")).reason() == \
+        "--exit-duration-in-mins reached"
+    assert ExitConditions(False, 60.0, torch.device("cpu")).reason() == ""
+    exits = ExitConditions(True, None, torch.device("cpu"))
+    before = signal.getsignal(signal.SIGTERM)
+    exits.install()
+    try:
+        assert exits.reason() == ""
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+        assert exits.reason() == "SIGTERM received (--exit-signal-handler)"
+    finally:
+        exits.restore()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -296,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(g, "--skip-train", False, "no training: load, evaluate on the validation set, exit")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving, if --save) when the iteration is a multiple of this")
+    _bool_flag(g, "--exit-signal-handler", False,
+               "on SIGTERM, finish the iteration, save (if --save) and exit 0 (a cluster's time "
+               "limit or preemption; recipes/slurm/train.sbatch then resumes the requeued job)")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop (after saving, if --save) once training has run this many minutes")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", default=None, choices=("full", "selective"))
     _bool_flag(g, "--recompute-activations", False, "= --recompute-granularity selective")

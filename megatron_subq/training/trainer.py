@@ -35,6 +35,7 @@ from .checkpointing import (
     warn_if_save_holds_another_model,
 )
 from .data import build_datasets, make_loader, to_device
+from .exits import ExitConditions
 from .flops import flops_per_iteration, peak_tflops, unmodelled_variants
 from .metrics import MetricsLogger
 from .tokenizer import build_tokenizer
@@ -409,6 +410,7 @@ def evaluate(args, model, loader) -> Optional[float]:
 # ------------------------------------------------------------------------------------------------
 def pretrain(argv=None) -> Dict:
     """Run the trainer with Megatron-LM-style flags. Returns a summary (losses on the last rank)."""
+    started = time.monotonic()  # --exit-duration-in-mins counts from here, as Megatron-LM's
     world = dist.get_world_size() if dist.is_initialized() else None
     args = arguments.parse_args(argv, world_size=world)
     processes.install_process_lifetimes(log=print_rank_0)
@@ -419,7 +421,7 @@ def pretrain(argv=None) -> Dict:
             lock = processes.lock_save_folder(args, log=print_rank_0)
         except processes.SaveFolderLocked as e:
             arguments.fail(args, str(e))
-        return _run(args)
+        return _run(args, started)
     finally:
         if lock is not None:
             lock.release()
@@ -427,7 +429,7 @@ def pretrain(argv=None) -> Dict:
         teardown(created)
 
 
-def _run(args) -> Dict:
+def _run(args, started: Optional[float] = None) -> Dict:
     from megatron.core import parallel_state  # noqa: PLC0415
 
     try:
@@ -531,6 +533,10 @@ def _run(args) -> Dict:
         chunk.train()
     last_saved = loaded_iteration if args.load else None
     last_eval = None
+    exits = ExitConditions(args.exit_signal_handler, args.exit_duration_in_mins, _device(),
+                           start=started)
+    exits.install()
+    stopped = ""
     while iteration < (args.train_iters or 0):
         _sync()
         start = time.perf_counter()
@@ -557,13 +563,19 @@ def _run(args) -> Dict:
         if args.exit_interval and iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
             break
-    if last_eval != iteration and iteration > loaded_iteration:
+        stopped = exits.reason()
+        if stopped:
+            print_rank_0(f"> exiting at iteration {iteration}: {stopped}")
+            break
+    exits.restore()
+    if last_eval != iteration and iteration > loaded_iteration and not stopped:
         run_eval(iteration)
     if args.save and last_saved != iteration and iteration > 0:
         save_checkpoint(args, iteration, model, optimizer, scheduler, consumed, flops_so_far,
                         log=print_rank_0)
     logger.close()
     summary["iteration"] = iteration
+    summary["stopped"] = stopped
     return summary
 
 
