@@ -156,7 +156,7 @@ def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> L
     if heads and heads % tp:
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--num-attention-heads {heads}")
-    if groups and groups % tp:
+    if args.num_query_groups and groups % tp:
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--num-query-groups {groups}")
     ffn = args.ffn_hidden_size
