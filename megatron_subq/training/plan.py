@@ -371,6 +371,17 @@ def embedding_params(args, cfg, vocab: int) -> Tuple[Params, Params, Params]:
     return emb, out, Params(replicated=_norm(cfg, h))
 
 
+def parameter_count(args, cfg, padded_vocab: int) -> Tuple[int, Optional[int]]:
+    """(parameters of the whole model, parameters a token uses: None without MoE layers), as the
+    trainer's model of ``args``/``cfg`` holds them (TP-split tensors counted once)."""
+    emb, out, final = embedding_params(args, cfg, padded_vocab)
+    total, skipped = emb + out + final, 0
+    for i in range(cfg.num_layers):
+        p, s = layer_params(cfg, i)
+        total, skipped = total + p, skipped + s
+    return total.total, (total.total - skipped if cfg.num_moe_experts else None)
+
+
 def stage_layers(args) -> List[range]:
     """The global layer indices of each pipeline stage (megatron's even or first/last split)."""
     L, pp = args.num_layers, args.pipeline_model_parallel_size
@@ -654,11 +665,7 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
     # parameters, per layer and per stage
     per_layer = [layer_params(cfg, i) for i in range(cfg.num_layers)]
     emb, out, final = embedding_params(args, cfg, vocab)
-    total = emb + out + final
-    for p, _ in per_layer:
-        total = total + p
-    skipped = sum(s for _, s in per_layer)
-    active = total.total - skipped if cfg.num_moe_experts else None
+    total_count, active = parameter_count(args, cfg, vocab)
 
     tp_, pp_ = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep_ = args.expert_model_parallel_size
@@ -728,7 +735,7 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
                 + ("" if same else "; measured at another layout than planned: rougher"))
     return Plan(config=config, recipe=recipe, gpu=device, nodes=nodes,
                 gpus_per_node=gpus_per_node, args=args, cfg=cfg, notes=notes,
-                params=total.total, active_params=active, vocab=vocab,
+                params=total_count, active_params=active, vocab=vocab,
                 tokenizer_vocab=tokenizer_vocab, stage=stage, stage_params=stage_params,
                 memory=memory, memory_without_distopt=without, problems=problems,
                 throughput_row=row, same_layout=same, scaling_efficiency=eff, seconds=seconds,
