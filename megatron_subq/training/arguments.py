@@ -191,11 +191,15 @@ def validate_hybrid_args(parser: argparse.ArgumentParser, args: argparse.Namespa
                          "layers (M in --hybrid-override-pattern)")
     if args.position_embedding_type is None:
         args.position_embedding_type = "none" if args.is_hybrid_model else "rope"
-    if args.squared_relu:
-        if args.swiglu:
-            note("--squared-relu: switching --swiglu off (as Megatron-LM, they exclude each "
-                 "other)")
-        args.swiglu = False
+    if args.squared_relu and args.silu:
+        parser.error("--squared-relu conflicts with --silu (one MLP activation; allowed: "
+                     "either, or neither for --swiglu / GeLU)")
+    for flag, on in (("--squared-relu", args.squared_relu), ("--silu", args.silu)):
+        if on:
+            if args.swiglu:
+                note(f"{flag}: switching --swiglu off (as Megatron-LM, a non-gated activation "
+                     "excludes the gated one)")
+            args.swiglu = False
     if args.num_experts is not None:
         if args.num_experts < 1:
             parser.error(f"--num-experts={args.num_experts} must be >= 1")
@@ -272,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--normalization", default="RMSNorm", choices=("RMSNorm", "LayerNorm"))
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     _bool_flag(g, "--swiglu", True, "SwiGLU MLP (Transformer++); --no-swiglu for GeLU")
+    _bool_flag(g, "--silu", False, "non-gated SiLU (Swish) MLPs: fc2(silu(fc1 x)), e.g. the ASA "
+               "paper's 1.3B at --ffn-hidden-size 4*hidden; implies --no-swiglu (as "
+               "--squared-relu; --swiglu is the gated SiLU)")
     _bool_flag(g, "--add-bias-linear", False, "biases in linear layers (Megatron-LM's "
                "--disable-bias-linear is the default here)")
     _bool_flag(g, "--untie-embeddings-and-output-weights", True,
@@ -397,7 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SentencePiece .model file, HuggingFace tokenizer.json (or its folder), "
                         "or 'mistral': the Mistral 7B SentencePiece model shipped inside the "
                         "mistral-common package (never downloaded)")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer's vocabulary")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary; with another tokenizer, the vocabulary the "
+                        "run expects (start-up fails when the tokenizer's differs; "
+                        "tools/plan_run.py reads it without the tokenizer file)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="checkpoint folder to save to")
@@ -511,8 +521,11 @@ def _require(parser, args, *names: str) -> None:
 
 
 def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                  world_size: Optional[int] = None) -> argparse.Namespace:
-    """Megatron-LM's start-up checks and derived defaults; every failure names its flag."""
+                  world_size: Optional[int] = None, check_files: bool = True
+                  ) -> argparse.Namespace:
+    """Megatron-LM's start-up checks and derived defaults; every failure names its flag.
+    ``check_files=False`` skips the dataset checks (``data.check_data``): for planning a run
+    (tools/plan_run.py) on a machine that does not hold the data."""
     world_size = world_size_from_env() if world_size is None else world_size
     _require(parser, args, "num_layers", "hidden_size", "num_attention_heads", "seq_length",
              "micro_batch_size")
@@ -667,7 +680,8 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             parse_blend(parser, getattr(args, name), "--" + name.replace("_", "-"))
     from .data import check_data  # noqa: PLC0415 - megatron's dataset modules load only when used
 
-    check_data(parser, args)  # prefixes exist, .bin matches .idx, every split can be built
+    if check_files:
+        check_data(parser, args)  # prefixes exist, .bin matches .idx, every split can be built
     if args.tokenizer_type is None:
         args.tokenizer_type = "NullTokenizer" if args.mock_data and args.vocab_size else None
     if args.tokenizer_type is None:
@@ -699,10 +713,13 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
-               world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse (config file, then command line) and validate. Exits with status 2 on bad flags."""
+               world_size: Optional[int] = None, check_files: bool = True,
+               parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Parse (config file, then command line) and validate. Exits with status 2 on bad flags
+    (``parser``: a ``build_parser()`` whose ``error`` may raise instead; ``check_files``: see
+    ``validate_args``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = parser or build_parser()
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
@@ -715,7 +732,7 @@ def parse_args(argv: Optional[Sequence[str]] = None,
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:
         _take_checkpoint_args(parser, args)
-    args = validate_args(parser, args, world_size)
+    args = validate_args(parser, args, world_size, check_files=check_files)
     args._parser = parser  # for errors found later (model config) to name their flag
     return args
 

@@ -153,7 +153,7 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                     "moe_router_topk", "moe_router_score_function",
                     "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
-                    "squared_relu",
+                    "squared_relu", "silu",
                     "tokenizer_vocab_size", "qk_layernorm", "add_qkv_bias", "use_rope_scaling",
                     "rope_scaling_factor")
 # what --use-checkpoint-args takes from the checkpoint besides the model-defining arguments

@@ -145,6 +145,10 @@ def build_config(args):
         from megatron.core.activations import squared_relu  # noqa: PLC0415
 
         kwargs["activation_func"] = squared_relu
+    elif getattr(args, "silu", False):  # non-gated SiLU (gated_linear_unit is off: --no-swiglu)
+        import torch.nn.functional as F  # noqa: PLC0415
+
+        kwargs["activation_func"] = F.silu
     elif not args.swiglu:
         import torch.nn.functional as F  # noqa: PLC0415
 
@@ -436,6 +440,12 @@ def _run(args, started: Optional[float] = None) -> Dict:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     except ValueError as e:
         arguments.fail(args, str(e))
+    if args.vocab_size is not None and args.tokenizer_type != "NullTokenizer" and \
+            tokenizer.vocab_size != args.vocab_size:
+        arguments.fail(args, f"--vocab-size {args.vocab_size}: the tokenizer "
+                             f"--tokenizer-model {args.tokenizer_model} has {tokenizer.vocab_size} "
+                             "tokens (a recipe's --vocab-size states the tokenizer it expects; "
+                             "allowed: that tokenizer, or drop --vocab-size)")
     if getattr(args, "_checkpoint_args_note", None):
         print_rank_0(f"> {args._checkpoint_args_note}")
     try:  # the checkpoint's padded vocabulary, and its model = this model, before building
