@@ -284,3 +284,27 @@ def test_silu_flag_is_a_non_gated_silu_mlp():
     assert "--squared-relu conflicts with --silu" in err.getvalue()
     from megatron_subq.training.checkpointing import MODEL_SHAPE_ARGS
     assert "silu" in MODEL_SHAPE_ARGS
+
+
+def test_vocab_size_is_checked_against_a_real_tokenizer(capsys):
+    """A recipe's --vocab-size states its tokenizer; a different tokenizer file stops the run
+    before the model is built."""
+    pytest.importorskip("mistral_common")
+    from megatron_subq.training import pretrain
+
+    with pytest.raises(SystemExit) as e:
+        pretrain(_tiny([])[:-4] + ["--tokenizer-type", "GPTSentencePieceTokenizer",
+                                   "--tokenizer-model", "mistral",
+                                   "--vocab-size", "50257", "--num-workers", "0",
+                                   "--eval-iters", "0"])
+    assert e.value.code == 2
+    assert ("--vocab-size 50257: the tokenizer --tokenizer-model mistral has 32000 tokens"
+            in capsys.readouterr().err)
+
+
+def test_trainer_refuses_an_ffn_width_tp_does_not_split(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(_tiny([], "--ffn-hidden-size", "101", "--tensor-model-parallel-size", "2",
+                         "--num-query-groups", "2"), world_size=2)
+    assert ("--ffn-hidden-size=101 is not divisible by --tensor-model-parallel-size=2"
+            in capsys.readouterr().err)

@@ -160,7 +160,8 @@ def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> L
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--num-query-groups {groups}")
     ffn = args.ffn_hidden_size
-    if ffn and ffn % tp:
+    dense_mlp = args.hybrid_override_pattern is None or "-" in args.hybrid_override_pattern
+    if ffn and dense_mlp and ffn % tp:
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--ffn-hidden-size {ffn} (the MLP's column-parallel split)")
     if pp > 1 and args.decoder_first_pipeline_num_layers is None and \
