@@ -751,10 +751,12 @@ def _duration(seconds: float) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable plan (the lines that matter)."""
     a, c = plan.args, plan.cfg
-    layers = c.layer_variants
     kinds = {}
-    for name in layers:
-        kinds[name or "-"] = kinds.get(name or "-", 0) + 1
+    symbols = c.hybrid_override_pattern or "*" * c.num_layers
+    what = {"M": "Mamba-2", "-": "MLP", "E": "MoE"}
+    for symbol, name in zip(symbols, c.layer_variants):
+        key = what.get(symbol) or (f"attention {name}" if c.hybrid_override_pattern else name)
+        kinds[key] = kinds.get(key, 0) + 1
     layer_text = ", ".join(f"{k} x{v}" for k, v in kinds.items())
     if c.hybrid_override_pattern:
         layer_text += f"; pattern {c.hybrid_override_pattern}"
