@@ -60,7 +60,8 @@ GPUS: Dict[str, GPU] = {g.name: g for g in (
 )}
 
 RUNTIME_RESERVE_GIB = 4.0
-"""CUDA context, NCCL communicators and buffers, allocator fragmentation: a reserve, not computed."""
+"""CUDA context, NCCL communicators and buffers, allocator fragmentation: a reserve, not
+computed."""
 
 DEFAULT_SCALING_EFFICIENCY = 0.90
 """Assumed fraction of the measured per-GPU throughput kept when a run uses more GPUs than the
@@ -272,7 +273,8 @@ def _sas_params(cfg) -> Params:
     H, Hs, D, Ds, k = (cfg.num_attention_heads, cfg.sas_heads, cfg.kv_channels,
                        cfg.sas_head_dim, cfg.sas_kernel)
     b = _bias(cfg)
-    heads = Params(sharded=Hs * Hs * k + b * Hs, replicated=Hs * H * k + b * Hs)  # conv_res, conv_in
+    # conv_res (TP-sharded by output head), conv_in (replicated)
+    heads = Params(sharded=Hs * Hs * k + b * Hs, replicated=Hs * H * k + b * Hs)
     features = Params(replicated=Ds * D + Ds * Ds + 2 * b * Ds)                  # lin, lin_res
     return heads + features + heads + features + heads  # q, k (heads + features), v (heads)
 
@@ -761,6 +763,8 @@ def format_plan(plan: Plan) -> str:
     if c.hybrid_override_pattern:
         layer_text += f"; pattern {c.hybrid_override_pattern}"
     mlp = _mlp_name(a)
+    n_micro = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+    dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
     lines = [
         f"plan: {plan.config} on {plan.nodes} node(s) x {plan.gpus_per_node} {plan.gpu.name} = "
         f"{plan.world} GPUs",
@@ -776,11 +780,11 @@ def format_plan(plan: Plan) -> str:
         f"layout       TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size} "
         f"x CP 1 x DP {a.data_parallel_size} (EP {a.expert_model_parallel_size})"
         f"{' + SP' if a.sequence_parallel else ''}; micro-batch {a.micro_batch_size}, global "
-        f"batch {a.global_batch_size} = {a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)}"
-        f" micro-batch(es) per DP rank per iteration; checks: "
+        f"batch {a.global_batch_size} = {n_micro} micro-batch(es) per DP rank per iteration; "
+        "checks: "
         + ("ok" if not plan.problems else "FAILED"),
         f"memory/GPU   (GiB, most loaded GPU: PP stage {plan.stage}, "
-        f"{plan.stage_params / 1e9:.3f}B parameters on it; {'bf16' if a.bf16 else 'fp16' if a.fp16 else 'fp32'}, "
+        f"{plan.stage_params / 1e9:.3f}B parameters on it; {dtype}, "
         f"recompute {_recompute_name(a)})",
     ]
     labels = {
