@@ -538,6 +538,9 @@ BYTES_PER_PARAM = {  # (weights, gradients, optimizer states with DP=1): Megatro
 
 @dataclasses.dataclass
 class Plan:
+    """A planned run: the validated arguments and config, counts, the most loaded GPU's memory
+    (bytes by part), problems (empty when sound) and the time estimate (None without a
+    measured throughput row). ``format_plan`` prints it, ``to_dict`` is the JSON."""
     config: str
     recipe: str
     gpu: GPU
