@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import List, Sequence
 
 
-def meta_parameter_counts(argvs: Sequence[Sequence[str]]) -> List[int]:
-    """Parameters of the model each trainer command line builds (TP=PP=1, meta device), counted
+def meta_parameter_counts(argvs: Sequence[Sequence[str]], cpu: Sequence[bool] = ()) -> List[int]:
+    """Parameters of the model each trainer command line builds (TP=PP=1, meta device; on the
+    CPU where ``cpu[i]``: a tiny model whose construction reads tensor values), counted
     as ``sum(p.numel() for p in model.parameters())`` (shared tensors once). Runs inside a
     one-rank world (``testing.distributed.run_distributed``): megatron's modules need its
     parallel state."""
@@ -17,14 +18,15 @@ def meta_parameter_counts(argvs: Sequence[Sequence[str]]) -> List[int]:
     from ..training.trainer import bare_model, build_config  # noqa: PLC0415
 
     out = []
-    for argv in argvs:
+    for i, argv in enumerate(argvs):
         args = parse_args(list(argv), world_size=1, check_files=False)
         config = build_config(args)
         config.perform_initialization = False
         vocab = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
                                   args.tensor_model_parallel_size)
-        with torch.device("meta"):
+        on_cpu = i < len(cpu) and cpu[i]
+        with torch.device("cpu" if on_cpu else "meta"):
             model = bare_model(args, config, vocab)
-        assert all(p.is_meta for p in model.parameters())
+        assert on_cpu or all(p.is_meta for p in model.parameters())
         out.append(sum(p.numel() for p in model.parameters()))
     return out

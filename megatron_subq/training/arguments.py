@@ -574,6 +574,10 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
             args.ffn_hidden_size = max(64, int((4 * args.hidden_size * 2 / 3) / 64) * 64)
         else:
             args.ffn_hidden_size = 4 * args.hidden_size
+    dense_mlp = args.hybrid_override_pattern is None or "-" in args.hybrid_override_pattern
+    if dense_mlp and args.ffn_hidden_size % tp:
+        parser.error(f"--ffn-hidden-size={args.ffn_hidden_size} is not divisible by "
+                     f"--tensor-model-parallel-size={tp} (the MLP's column-parallel split)")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:

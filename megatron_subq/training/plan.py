@@ -60,7 +60,8 @@ GPUS: Dict[str, GPU] = {g.name: g for g in (
 )}
 
 RUNTIME_RESERVE_GIB = 4.0
-"""CUDA context, NCCL communicators and buffers, allocator fragmentation: a reserve, not computed."""
+"""CUDA context, NCCL communicators and buffers, allocator fragmentation: a reserve, not
+computed."""
 
 DEFAULT_SCALING_EFFICIENCY = 0.90
 """Assumed fraction of the measured per-GPU throughput kept when a run uses more GPUs than the
@@ -160,7 +161,8 @@ def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> L
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--num-query-groups {groups}")
     ffn = args.ffn_hidden_size
-    if ffn and ffn % tp:
+    dense_mlp = args.hybrid_override_pattern is None or "-" in args.hybrid_override_pattern
+    if ffn and dense_mlp and ffn % tp:
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
                    f"--ffn-hidden-size {ffn} (the MLP's column-parallel split)")
     if pp > 1 and args.decoder_first_pipeline_num_layers is None and \
@@ -271,7 +273,8 @@ def _sas_params(cfg) -> Params:
     H, Hs, D, Ds, k = (cfg.num_attention_heads, cfg.sas_heads, cfg.kv_channels,
                        cfg.sas_head_dim, cfg.sas_kernel)
     b = _bias(cfg)
-    heads = Params(sharded=Hs * Hs * k + b * Hs, replicated=Hs * H * k + b * Hs)  # conv_res, conv_in
+    # conv_res (TP-sharded by output head), conv_in (replicated)
+    heads = Params(sharded=Hs * Hs * k + b * Hs, replicated=Hs * H * k + b * Hs)
     features = Params(replicated=Ds * D + Ds * Ds + 2 * b * Ds)                  # lin, lin_res
     return heads + features + heads + features + heads  # q, k (heads + features), v (heads)
 
@@ -535,6 +538,9 @@ BYTES_PER_PARAM = {  # (weights, gradients, optimizer states with DP=1): Megatro
 
 @dataclasses.dataclass
 class Plan:
+    """A planned run: the validated arguments and config, counts, the most loaded GPU's memory
+    (bytes by part), problems (empty when sound) and the time estimate (None without a
+    measured throughput row). ``format_plan`` prints it, ``to_dict`` is the JSON."""
     config: str
     recipe: str
     gpu: GPU
@@ -750,14 +756,18 @@ def _duration(seconds: float) -> str:
 def format_plan(plan: Plan) -> str:
     """The human-readable plan (the lines that matter)."""
     a, c = plan.args, plan.cfg
-    layers = c.layer_variants
     kinds = {}
-    for name in layers:
-        kinds[name or "-"] = kinds.get(name or "-", 0) + 1
+    symbols = c.hybrid_override_pattern or "*" * c.num_layers
+    what = {"M": "Mamba-2", "-": "MLP", "E": "MoE"}
+    for symbol, name in zip(symbols, c.layer_variants):
+        key = what.get(symbol) or (f"attention {name}" if c.hybrid_override_pattern else name)
+        kinds[key] = kinds.get(key, 0) + 1
     layer_text = ", ".join(f"{k} x{v}" for k, v in kinds.items())
     if c.hybrid_override_pattern:
         layer_text += f"; pattern {c.hybrid_override_pattern}"
     mlp = _mlp_name(a)
+    n_micro = a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)
+    dtype = "bf16" if a.bf16 else "fp16" if a.fp16 else "fp32"
     lines = [
         f"plan: {plan.config} on {plan.nodes} node(s) x {plan.gpus_per_node} {plan.gpu.name} = "
         f"{plan.world} GPUs",
@@ -773,11 +783,11 @@ def format_plan(plan: Plan) -> str:
         f"layout       TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size} "
         f"x CP 1 x DP {a.data_parallel_size} (EP {a.expert_model_parallel_size})"
         f"{' + SP' if a.sequence_parallel else ''}; micro-batch {a.micro_batch_size}, global "
-        f"batch {a.global_batch_size} = {a.global_batch_size // (a.micro_batch_size * a.data_parallel_size)}"
-        f" micro-batch(es) per DP rank per iteration; checks: "
+        f"batch {a.global_batch_size} = {n_micro} micro-batch(es) per DP rank per iteration; "
+        "checks: "
         + ("ok" if not plan.problems else "FAILED"),
         f"memory/GPU   (GiB, most loaded GPU: PP stage {plan.stage}, "
-        f"{plan.stage_params / 1e9:.3f}B parameters on it; {'bf16' if a.bf16 else 'fp16' if a.fp16 else 'fp32'}, "
+        f"{plan.stage_params / 1e9:.3f}B parameters on it; {dtype}, "
         f"recompute {_recompute_name(a)})",
     ]
     labels = {
