@@ -20,9 +20,10 @@ sys.path.insert(0, ROOT)
 from test_preprocess import CORPUS, read_documents, tokenizer_model  # noqa: E402,F401
 from tools import preprocess_data  # noqa: E402
 
-# natural order (part-2 before part-10) is the documents' order; mixed compressions, one subfolder
-SHARDS = ["part-0.jsonl", "part-1.jsonl.gz", "part-2.jsonl.zst", "sub/part-9.jsonl.xz",
-          "part-10.jsonl", "part-11.jsonl.zst"]
+# natural path order (part-2 before part-10, sub/ after part-*) is the documents' order;
+# mixed compressions
+SHARDS = ["part-0.jsonl", "part-1.jsonl.gz", "part-2.jsonl.zst", "part-9.jsonl.xz",
+          "part-10.jsonl", "sub/part-11.jsonl.zst"]
 PER_SHARD = 4
 
 
@@ -107,9 +108,9 @@ def test_killed_run_resumes_without_redoing_a_finished_shard(corpus, tmp_path):
            corpus["shards"], "--output-prefix", prefix, "--workers", "2", "--keep-shards"] \
         + corpus["flags"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # every shard task sleeps 3 s first: after the first shard's record appears, the next ones
+    # every shard task sleeps 1.5 s first: after the first shard's record appears, the next ones
     # are at least 3 s away from theirs
-    proc = subprocess.Popen(cmd, env=dict(env, SUBQ_PREPROCESS_SHARD_DELAY_S="3"),
+    proc = subprocess.Popen(cmd, env=dict(env, SUBQ_PREPROCESS_SHARD_DELAY_S="1.5"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def records():
@@ -221,7 +222,7 @@ def test_bad_flags_name_the_flag(corpus, tmp_path, capsys):
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "2",
         "--lr", "1e-3", "--split", "90,10,0", "--num-workers", "0", "--eval-iters", "1",
-        "--eval-interval", "100", "--log-interval", "1", "--seed", "1"]
+        "--eval-interval", "100", "--log-interval", "1", "--seed", "1", "--train-iters", "2"]
 
 
 def _parse(argv, capsys=None):
@@ -250,7 +251,7 @@ def test_blend_file_drives_the_trainer(corpus, tmp_path, capsys):
     blend = out["blends"]["text"]
     tok = corpus["flags"][:4]
     # relative prefixes resolve against the file's folder, not the working directory
-    args = _parse(TINY + tok + ["--train-iters", "2", "--data-args-path", blend])
+    args = _parse(TINY + tok + ["--data-args-path", blend])
     assert args.data_path[1::2] == [str(data / "sp_00_text_document"),
                                     str(data / "sp_01_text_document")]
     assert [float(w) for w in args.data_path[::2]] == [
@@ -259,7 +260,7 @@ def test_blend_file_drives_the_trainer(corpus, tmp_path, capsys):
     split = tmp_path / "split.json"
     split.write_text(json.dumps({"train": ["data/sp_00_text_document"],
                                  "valid": "data/sp_01_text_document"}))
-    args = _parse(TINY + tok + ["--train-iters", "2", "--per-split-data-args-path", str(split)])
+    args = _parse(TINY + tok + ["--per-split-data-args-path", str(split)])
     assert args.train_data_path == [str(data / "sp_00_text_document")]
     assert args.valid_data_path == [str(data / "sp_01_text_document")]
     assert args.test_data_path is None
@@ -267,7 +268,7 @@ def test_blend_file_drives_the_trainer(corpus, tmp_path, capsys):
     # errors name the flag
     missing = tmp_path / "missing.blend"
     missing.write_text("# a comment\n0.5 data/sp_00_text_document\n0.5 data/nope\n")
-    err = _parse(TINY + tok + ["--train-iters", "2", "--data-args-path", str(missing)], capsys)
+    err = _parse(TINY + tok + ["--data-args-path", str(missing)], capsys)
     assert f"--data-args-path {missing}: the prefix 'data/nope' (relative prefixes are " \
            f"relative to the file's folder: {tmp_path / 'data' / 'nope'}) has no" in err
     err = _parse(TINY + tok + ["--data-args-path", blend, "--data-path", "x"], capsys)
@@ -284,7 +285,7 @@ def test_blend_file_drives_the_trainer(corpus, tmp_path, capsys):
 
     # a real run: two iterations on the blend's datasets
     [summary] = run_distributed(_train, world_size=1, args=(
-        TINY + tok + ["--train-iters", "2", "--data-args-path", blend],))
+        TINY + tok + ["--data-args-path", blend],))
     import math
 
     assert sorted(summary["iterations"]) == [1, 2]
