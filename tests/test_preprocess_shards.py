@@ -109,7 +109,7 @@ def test_killed_run_resumes_without_redoing_a_finished_shard(corpus, tmp_path):
         + corpus["flags"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # every shard task sleeps 1.5 s first: after the first shard's record appears, the next ones
-    # are at least 3 s away from theirs
+    # are at least 1.5 s away from theirs
     proc = subprocess.Popen(cmd, env=dict(env, SUBQ_PREPROCESS_SHARD_DELAY_S="1.5"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
