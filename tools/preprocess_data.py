@@ -362,17 +362,13 @@ def _check_not_empty(args, stats: dict, what_input: str) -> None:
         f"every --json-keys key ({', '.join(args.json_keys)})")
 
 
-def _replace(src: str, dst: str) -> None:
-    os.replace(src, dst)
-
-
 def _write_json(path: str, data: dict) -> None:
     """Atomically: a temporary name, then renamed."""
     with open(path + ".partial", "w") as f:
         json.dump(data, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _replace(path + ".partial", path)
+    os.replace(path + ".partial", path)
 
 
 def write_blend(path: str, prefixes: List[str], weights: Optional[List[int]],
@@ -385,7 +381,7 @@ def write_blend(path: str, prefixes: List[str], weights: Optional[List[int]],
     lines += names if weights is None else [f"{w} {n}" for w, n in zip(weights, names)]
     with open(path + ".partial", "w") as f:
         f.write("\n".join(lines) + "\n")
-    _replace(path + ".partial", path)
+    os.replace(path + ".partial", path)
 
 
 def _blend_comment(args, stats_tokens: int, datasets: int) -> str:
@@ -477,8 +473,8 @@ def _write_single(args, prefixes, partial, builders, dtype) -> dict:
     _check_not_empty(args, stats, path)
     blends = {}
     for key, prefix in prefixes.items():
-        _replace(partial[key][0], prefix + ".bin")
-        _replace(partial[key][1], prefix + ".idx")
+        os.replace(partial[key][0], prefix + ".bin")
+        os.replace(partial[key][1], prefix + ".idx")
         blends[key] = f"{args.output_prefix}_{key}.blend"
         write_blend(blends[key], [prefix], None, _blend_comment(args, stats["tokens"][key], 1))
     outputs = {k: [p] for k, p in prefixes.items()}
@@ -603,8 +599,8 @@ def _do_shard(task) -> dict:
         builders = {}
         files = {}
         for key, prefix in prefixes.items():
-            _replace(partial[key][0], prefix + ".bin")
-            _replace(partial[key][1], prefix + ".idx")
+            os.replace(partial[key][0], prefix + ".bin")
+            os.replace(partial[key][1], prefix + ".idx")
             files[key] = [os.path.getsize(prefix + ".bin"), os.path.getsize(prefix + ".idx")]
         record = dict(stats, path=path, input_bytes=os.path.getsize(path), files=files)
         _write_json(os.path.join(work, sid + ".json"), record)  # the shard counts as done now
@@ -643,12 +639,24 @@ class _Lock:
 def _check_resume(args, work: str, manifest: dict, settings: dict) -> None:
     """Refuse a command whose tokens would differ from the interrupted run's, naming the flag."""
     old = manifest.get("settings", {})
+
+    def shown(name, value):
+        if name == "append_eod":
+            return "--append-eod" if value else "--no-append-eod"
+        return repr(value)
+
     for name, value in settings.items():
         if old.get(name) != value:
             flag = MEANING_FLAGS[name]
             what = (f"the tokenizer file {args._tokenizer_path} changed since (its contents "
                     "differ)" if name == "tokenizer_sha256" else
-                    f"this run has {value!r}, the earlier run had {old.get(name)!r}")
+                    f"this run has {shown(name, value)}, the earlier run had "
+                    f"{shown(name, old.get(name))}")
+            if manifest.get("merged"):
+                raise SystemExit(
+                    f"error: {flag}: {what}; {work} records a finished run with the earlier "
+                    f"settings, whose outputs this run would replace. Delete {work} to redo it "
+                    "with this run's settings")
             raise SystemExit(
                 f"error: {flag}: {what}; {work} holds shards tokenized with the earlier "
                 f"settings, which cannot be mixed with this run's. Run the earlier command again "
@@ -694,17 +702,21 @@ def _run_shards(args) -> dict:
         settings = _settings(args)
         manifest = None
         if os.path.isfile(manifest_path):
-            with open(manifest_path) as f:
-                manifest = json.load(f)
+            try:
+                with open(manifest_path) as f:
+                    manifest = json.load(f)
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"error: {manifest_path} is unreadable ({e}); delete {work} to "
+                                 "start over") from None
             _check_resume(args, work, manifest, settings)
-        shards = [(shard_id(p), p) for p in args.files]
+        shards = [(shard_id(p), p) for p in map(os.path.abspath, args.files)]
         done_before = manifest.get("merged") if manifest else None
         if done_before and done_before.get("shards") == [p for _, p in shards] and \
                 done_before.get("merge_into") == args.merge_into and \
                 _outputs_intact(done_before):
+            merged = ", ".join(p for ps in done_before["outputs"].values() for p in ps)
             print(f"already complete: {work}/manifest.json records these {len(shards)} shards "
-                  f"merged into {', '.join(p for ps in done_before['outputs'].values() for p in ps)}"
-                  f"; nothing to do (delete {work} to redo it)")
+                  f"merged into {merged}; nothing to do (delete {work} to redo it)")
             return done_before["result"]
         if manifest is None or manifest.get("merged"):
             manifest = {"format": MANIFEST_FORMAT, "settings": settings, "merged": None}
@@ -754,12 +766,16 @@ def _run_shards(args) -> dict:
                                 f"{live['tokens'] / elapsed:,.0f} tok/s "
                                 f"{live['bytes'] / 1e6 / elapsed:.1f} MB/s", refresh=False)
 
+        ran = {"tokens": 0, "bytes": 0}  # this run's shards, for the summary's throughput
+
         def finished(record):
             if "error" in record:
                 raise SystemExit(record["error"] + f". The {len(records)} finished shard(s) are "
                                  f"kept in {work}: the same command resumes after the fix; "
                                  "nothing final was written")
             records[shard_id(record["path"])] = record
+            ran["tokens"] += sum(record["tokens"].values())
+            ran["bytes"] += record["bytes"]
             bar.update(1)
             postfix()
             if args.no_progress:
@@ -775,7 +791,7 @@ def _run_shards(args) -> dict:
                 if f.endswith(".partial") and f != "manifest.json.partial":
                     os.remove(os.path.join(work, f))
         elapsed = time.perf_counter() - start
-        return _merge(args, work, manifest_path, manifest, shards, records, elapsed, live)
+        return _merge(args, work, manifest_path, manifest, shards, records, elapsed, ran)
     finally:
         lock.release()
 
@@ -829,7 +845,7 @@ def _outputs_intact(merged: dict) -> bool:
                for ext, size in zip((".bin", ".idx"), sizes))
 
 
-def _merge(args, work, manifest_path, manifest, shards, records, elapsed, live) -> dict:
+def _merge(args, work, manifest_path, manifest, shards, records, elapsed, ran) -> dict:
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
 
     stats = _new_stats(args.json_keys)
@@ -858,8 +874,8 @@ def _merge(args, work, manifest_path, manifest, shards, records, elapsed, live) 
         sizes = {}
         for key in args.json_keys:
             for prefix in outputs[key]:
-                _replace(prefix + ".bin.partial", prefix + ".bin")
-                _replace(prefix + ".idx.partial", prefix + ".idx")
+                os.replace(prefix + ".bin.partial", prefix + ".bin")
+                os.replace(prefix + ".idx.partial", prefix + ".idx")
                 sizes[prefix] = [os.path.getsize(prefix + ".bin"),
                                  os.path.getsize(prefix + ".idx")]
     finally:
@@ -888,7 +904,7 @@ def _merge(args, work, manifest_path, manifest, shards, records, elapsed, live) 
                     if os.path.exists(path):
                         os.remove(path)
             os.remove(os.path.join(work, sid + ".json"))
-    _print_summary(args, stats, outputs, blends, elapsed, live)
+    _print_summary(args, stats, outputs, blends, elapsed, ran)
     return result
 
 
