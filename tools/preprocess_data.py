@@ -752,7 +752,7 @@ def _run_shards(args) -> dict:
 
         start = time.perf_counter()
         live = {"documents": 0, "tokens": 0, "bytes": 0}
-        bar = tqdm(total=len(shards), initial=len(records), unit=" shards", desc="shards",
+        bar = tqdm(total=len(shards), initial=len(records), unit="shard", desc="shards",
                    disable=args.no_progress, mininterval=1.0, smoothing=0.1)
 
         def progress(increment):
@@ -785,6 +785,10 @@ def _run_shards(args) -> dict:
 
         try:
             _tokenize_shards(args, todo, progress, postfix, finished)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted: {len(records)} of {len(shards)} shards done, kept in {work}; "
+                  "the same command resumes", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
         finally:
             bar.close()
             for f in os.listdir(work):  # a failed or interrupted task's files
