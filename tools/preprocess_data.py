@@ -599,6 +599,9 @@ def _do_shard(task) -> dict:
         builders = {}
         files = {}
         for key, prefix in prefixes.items():
+            for p in partial[key]:  # on disk before the record says so (a node may crash too)
+                with open(p, "rb") as f:
+                    os.fsync(f.fileno())
             os.replace(partial[key][0], prefix + ".bin")
             os.replace(partial[key][1], prefix + ".idx")
             files[key] = [os.path.getsize(prefix + ".bin"), os.path.getsize(prefix + ".idx")]
