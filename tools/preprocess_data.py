@@ -216,7 +216,7 @@ def get_args(argv=None) -> argparse.Namespace:
                         "shards (about equal token counts)")
     g.add_argument("--keep-shards", action="store_true",
                    help="sharded input: keep the per-shard datasets in PREFIX_shards/ after the "
-                        "merge (default: deleted once merged)")
+                        "merge (otherwise deleted once merged)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=max(1, min(8, os.cpu_count() or 1)),
                    help="tokenizing processes (sharded input: one shard per task)")
