@@ -24,6 +24,7 @@ setup(
         "pyyaml",
         "tqdm",
         "numpy",
+        "zstandard",  # tools/preprocess_data.py reads .jsonl.zst shards (SlimPajama, FineWeb-Edu)
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "tokenizers"],

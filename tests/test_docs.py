@@ -25,7 +25,8 @@ SKIPPED = {  # (document, section) of every block not run here
                   ("Set up", "this is the test command .ci/run runs")],
     "docs/training.md": [("Quick start", "needs 8 GPUs"),
                          ("Data and tokenizers", "tokenizes the whole corpus (a minute on 2 cores); "
-                          "the Quick start runs the same tool on a slice")],
+                          "the Quick start runs the same tool on a slice"),
+                         ("Data and tokenizers", "needs the SlimPajama download (627B tokens)")],
 }
 
 

@@ -1,4 +1,5 @@
-"""tools/preprocess_data.py and the tokenizers: jsonl(.gz/.xz) -> megatron indexed dataset."""
+"""tools/preprocess_data.py on one file and the tokenizers: jsonl(.gz/.xz) -> megatron indexed
+dataset (sharded inputs: tests/test_preprocess_shards.py)."""
 
 import gzip
 import importlib.util
@@ -72,14 +73,20 @@ def test_malformed_lines_are_counted_and_good_documents_are_exact(tmp_path, toke
     path = tmp_path / "in.jsonl.gz"
     with gzip.open(path, "wt", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
-    out = preprocess_data.main([
-        "--input", str(path), "--output-prefix", str(tmp_path / "out"),
-        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", tokenizer_model,
-        "--workers", "2", "--chunk-size", "1", "--no-progress"])
+    flags = ["--input", str(path), "--output-prefix", str(tmp_path / "out"),
+             "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+             tokenizer_model, "--workers", "2", "--chunk-size", "1", "--no-progress"]
+    # by default the first bad line is an error naming the file and the line; nothing written
+    with pytest.raises(SystemExit) as e:
+        preprocess_data.main(flags)
+    assert str(e.value.code).startswith(f"error: {path}:2: invalid JSON (")
+    assert "--skip-bad-lines" in str(e.value.code) and _files(tmp_path) == ["in.jsonl.gz"]
+    out = preprocess_data.main(flags + ["--skip-bad-lines"])
     assert out["documents"] == 3
-    assert out["empty"] == 1
+    assert out["empty"] == 1 and out["blank"] == 1  # skipped and counted, never errors
     assert out["malformed"] == {"invalid JSON": 1, "not a JSON object": 1, "no 'text' key": 1,
-                                "'text' is not a string": 1, "blank line": 1}
+                                "'text' is not a string": 1}
+    assert out["examples"]["no 'text' key"] == [f"{path}:4"]
     tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model)
     ds, docs = read_documents(str(tmp_path / "out_text_document"))
     expected = [list(tok.tokenize(t)) + [tok.eod] for t in good]
@@ -171,7 +178,9 @@ def test_input_without_documents_fails_and_writes_nothing(tmp_path, tokenizer_mo
     out = preprocess_data.main(["--input", str(good)] + flags)
     prefix = out["prefixes"]["text"]
     before = {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
-    assert _files(tmp_path) == ["good.jsonl", "out_text_document.bin", "out_text_document.idx"]
+    assert _files(tmp_path) == ["good.jsonl", "out_text.blend", "out_text_document.bin",
+                                "out_text_document.idx"]
+    assert open(tmp_path / "out_text.blend").read().splitlines()[-1] == "out_text_document"
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -179,14 +188,14 @@ def test_input_without_documents_fails_and_writes_nothing(tmp_path, tokenizer_mo
     with gzip.open(junk, "wt", encoding="utf-8") as f:
         f.write("\n".join(["", "{not json", json.dumps({"text": ""}), json.dumps({"body": "x"}),
                            json.dumps([1])]) + "\n")
-    for path, counts in ((empty, "0 malformed line(s), 0 empty document(s)"),
-                         (junk, "4 malformed line(s), 1 empty document(s)")):
+    for path, counts in ((empty, "0 malformed line(s), 0 blank line(s), 0 empty document(s)"),
+                         (junk, "3 malformed line(s), 1 blank line(s), 1 empty document(s)")):
         with pytest.raises(SystemExit) as e:
-            preprocess_data.main(["--input", str(path)] + flags)
+            preprocess_data.main(["--input", str(path), "--skip-bad-lines"] + flags)
         msg = str(e.value.code)  # a string: the interpreter prints it and exits with status 1
         assert msg.startswith(f"error: --input {path} yielded no documents (") and counts in msg
         assert "nothing was written" in msg
-        assert _files(tmp_path) == sorted([good.name, empty.name, junk.name,
+        assert _files(tmp_path) == sorted([good.name, empty.name, junk.name, "out_text.blend",
                                            "out_text_document.bin", "out_text_document.idx"])
         assert before == {ext: open(prefix + ext, "rb").read() for ext in (".bin", ".idx")}
 

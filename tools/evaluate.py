@@ -103,7 +103,8 @@ def main(argv=None) -> dict:
     parser = arguments.build_parser()
     dests = {a.dest for a in parser._actions if a.option_strings}
     keep = {k: v for k, v in saved.items() if k in dests}
-    for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path", "save",
+    for k in ("data_path", "train_data_path", "valid_data_path", "test_data_path",
+              "data_args_path", "per_split_data_args_path", "save",
               "save_interval", "load", "ckpt_step", "global_batch_size", "metrics_file",
               "tensorboard_dir", "wandb_project", "train_iters", "train_samples", "skip_train",
               "mock_data", "config", "distributed_backend",

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence
 
 
 from ..config import SubqTransformerConfig
-from .blend import parse_blend
+from .blend import parse_blend, read_data_args_file, read_per_split_file
 from .fields import flag_for_field, variant_fields
 
 TOKENIZER_TYPES = ("GPTSentencePieceTokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer",
@@ -386,6 +386,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-args-path", default=None,
+                   help="a blend file holding the --data-path value (tools/preprocess_data.py "
+                        "writes PREFIX_text.blend): 'PREFIX ...' or 'WEIGHT PREFIX ...', '#' "
+                        "comments; relative prefixes are relative to the file's folder")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help='a JSON file {"train": [...], "valid": [...], "test": [...]} holding the '
+                        "--train/valid/test-data-path values (prefixes as --data-args-path)")
     _bool_flag(g, "--mock-data", False, "random tokens instead of --data-path")
     g.add_argument("--data-cache-path", default=None,
                    help="where GPTDataset index files are cached (default beside the data)")
@@ -672,11 +679,13 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
 
     # data and tokenizer
+    _read_data_files(parser, args)
     has_paths = bool(args.data_path) or bool(args.train_data_path)
     if args.mock_data and has_paths:
         parser.error("--mock-data conflicts with --data-path/--train-data-path")
     if not args.mock_data and not has_paths:
-        parser.error("give --data-path (or --train-data-path) or --mock-data")
+        parser.error("give --data-path (or --train-data-path, or a blend file: --data-args-path "
+                     "/ --per-split-data-args-path) or --mock-data")
     if args.data_path and (args.train_data_path or args.valid_data_path or args.test_data_path):
         parser.error("--data-path conflicts with --train/valid/test-data-path")
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
@@ -714,6 +723,34 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
 
         args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     return args
+
+
+def _read_data_files(parser, args: argparse.Namespace) -> None:
+    """--data-args-path / --per-split-data-args-path: read the blend file into --data-path /
+    --train/valid/test-data-path (prefixes resolved against the file's folder); each excludes
+    the flags it replaces, the other file flag and --mock-data."""
+    given = [f for f, v in (("--data-args-path", args.data_args_path),
+                            ("--per-split-data-args-path", args.per_split_data_args_path)) if v]
+    if not given:
+        return
+    if len(given) == 2:
+        parser.error("--data-args-path conflicts with --per-split-data-args-path (give one "
+                     "blend file)")
+    others = [f for f, v in (("--data-path", args.data_path),
+                             ("--train-data-path", args.train_data_path),
+                             ("--valid-data-path", args.valid_data_path),
+                             ("--test-data-path", args.test_data_path),
+                             ("--mock-data", args.mock_data)) if v]
+    if others:
+        parser.error(f"{given[0]} conflicts with {', '.join(others)} (the file holds the data "
+                     "paths)")
+    if args.data_args_path:
+        args.data_path = read_data_args_file(parser, args.data_args_path)
+    else:
+        splits = read_per_split_file(parser, args.per_split_data_args_path)
+        args.train_data_path = splits["train"]
+        args.valid_data_path = splits["valid"]
+        args.test_data_path = splits["test"]
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
