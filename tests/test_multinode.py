@@ -67,7 +67,7 @@ def _submit(job, name, job_id, restart_count=0, background=False):
                SLURM_SUBMIT_DIR=ROOT, SLURM_RESTART_COUNT=str(restart_count),
                SUBQ_GPUS_PER_NODE="2", SUBQ_PYTHON=sys.executable, MASTER_PORT=str(free_port()),
                FAKE_SRUN_PIDS=str(work / f"{name}.pids"), FAKE_REQUEUED=str(work / "requeued"),
-               OMP_NUM_THREADS="1", SUBQ_SKIP_PLAN="1")
+               OMP_NUM_THREADS="1", SUBQ_GPU="H100")
     cmd = ["bash", SBATCH, job["recipe"], "--save", str(work / name),
            "--metrics-file", str(work / f"{name}.jsonl")]
     log = open(work / f"{name}.attempt{restart_count}.out", "w")
@@ -99,6 +99,7 @@ def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job):
     work = job["work"]
     out_a = _submit(job, "a", 101)
     assert "2 node(s) x 2 GPU(s)" in out_a and read_tracker(str(work / "a")) == ITERS
+    assert "TP 2" in out_a and "DP 2" in out_a, out_a[:3000]  # tools/plan_run.py's plan
     a = _losses(work / "a.jsonl")
     assert sorted(a) == list(range(1, ITERS + 1))
     node_logs = sorted(os.listdir(work / "a" / "logs" / "job-101"))

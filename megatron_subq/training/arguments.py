@@ -679,7 +679,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error("--overlap-param-gather needs --use-distributed-optimizer")
 
     # data and tokenizer
-    _read_data_files(parser, args)
+    _read_data_files(parser, args, check_files)
     has_paths = bool(args.data_path) or bool(args.train_data_path)
     if args.mock_data and has_paths:
         parser.error("--mock-data conflicts with --data-path/--train-data-path")
@@ -725,10 +725,11 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
     return args
 
 
-def _read_data_files(parser, args: argparse.Namespace) -> None:
+def _read_data_files(parser, args: argparse.Namespace, check_files: bool = True) -> None:
     """--data-args-path / --per-split-data-args-path: read the blend file into --data-path /
     --train/valid/test-data-path (prefixes resolved against the file's folder); each excludes
-    the flags it replaces, the other file flag and --mock-data."""
+    the flags it replaces, the other file flag and --mock-data. Without ``check_files`` (the
+    planner, before the data exists) a missing blend file stands for its own data."""
     given = [f for f, v in (("--data-args-path", args.data_args_path),
                             ("--per-split-data-args-path", args.per_split_data_args_path)) if v]
     if not given:
@@ -744,6 +745,13 @@ def _read_data_files(parser, args: argparse.Namespace) -> None:
     if others:
         parser.error(f"{given[0]} conflicts with {', '.join(others)} (the file holds the data "
                      "paths)")
+    path = args.data_args_path or args.per_split_data_args_path
+    if not check_files and not os.path.isfile(path):
+        if args.data_args_path:
+            args.data_path = [path]
+        else:
+            args.train_data_path = [path]
+        return
     if args.data_args_path:
         args.data_path = read_data_args_file(parser, args.data_args_path)
     else:
@@ -751,6 +759,14 @@ def _read_data_files(parser, args: argparse.Namespace) -> None:
         args.train_data_path = splits["train"]
         args.valid_data_path = splits["valid"]
         args.test_data_path = splits["test"]
+
+
+DATA_SOURCE_FLAGS = frozenset((
+    "--data-path", "--data-args-path", "--per-split-data-args-path", "--train-data-path",
+    "--valid-data-path", "--test-data-path", "--mock-data"))
+"""Where the training data comes from: a data source given on the command line replaces the config
+file's (a recipe's SlimPajama blend, say, by ``--mock-data`` or the docs corpus), instead of
+conflicting with it; other flags override one by one."""
 
 
 def parse_args(argv: Optional[Sequence[str]] = None,
@@ -769,6 +785,10 @@ def parse_args(argv: Optional[Sequence[str]] = None,
             data = _load_config_file(known.config)
         except Exception as e:  # noqa: BLE001 - any read/parse problem is a start-up error
             parser.error(f"--config {known.config}: {type(e).__name__}: {e}")
+        given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+        if given & DATA_SOURCE_FLAGS or given & {"--no-mock-data"}:
+            data = {k: v for k, v in data.items()
+                    if "--" + str(k).lstrip("-").replace("_", "-") not in DATA_SOURCE_FLAGS}
         argv = config_to_argv(parser, data, known.config) + argv
     args = parser.parse_args(argv)
     if args.use_checkpoint_args:

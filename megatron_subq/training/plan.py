@@ -19,8 +19,9 @@ not exist yet) and on ``SubqTransformerConfig``; no process group, model or tens
   ``activation_elements``), divided by TP where sharded (all of it under sequence parallelism);
   1F1B keeps ``min(PP, micro-batches)`` micro-batches in flight on the first stage; full
   recomputation keeps only each recomputed group's input plus one group's activations; the last
-  stage adds the logits (bf16) and their fp32 softmax, ``6 s b V / TP``. A fixed runtime reserve
-  (CUDA context, NCCL buffers, allocator fragmentation) is added, not computed.
+  stage adds the logits (bf16) and their fp32 softmax, ``6 s b V / TP``. Backward's temporaries
+  are a measured fraction of these two (``TRANSIENT_FACTOR``), and a fixed runtime reserve (CUDA
+  context, NCCL buffers, allocator fragmentation) is added, not computed.
 * **Time** comes from a measured table (``recipes/throughput.yaml``): tokens/s per GPU of a recipe
   on a GPU type at some layout; the estimate assumes that per-GPU throughput at the planned size,
   times a scaling efficiency that the output states. No row: no time, and the output says so.
@@ -62,6 +63,13 @@ GPUS: Dict[str, GPU] = {g.name: g for g in (
 RUNTIME_RESERVE_GIB = 4.0
 """CUDA context, NCCL communicators and buffers, allocator fragmentation: a reserve, not
 computed."""
+
+TRANSIENT_FACTOR = 0.55
+"""Backward's temporaries (gradients of the logits and of each layer's activations, matmul and
+cross-entropy workspaces) as a fraction of the activations + logits estimate: measured, not
+derived. On one H100 (2026-11-25, tools/gpu_recipes.sh, docs/results.md) the peak allocated
+memory less weights, gradients and optimizer was 1.53x (Transformer++ 1.3B), 1.54x (SAS 1.3B) and
+1.25x (ASA 1.3B) the activations + logits estimate; the largest is kept."""
 
 DEFAULT_SCALING_EFFICIENCY = 0.90
 """Assumed fraction of the measured per-GPU throughput kept when a run uses more GPUs than the
@@ -702,6 +710,7 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
         act = activation_bytes(args, cfg, layers, in_flight, s == len(stages) - 1)
         memory = {"parameters": w_bytes * n, "gradients": g_bytes * n, "optimizer": opt,
                   "activations": act["layers"], "logits": act.get("logits", 0.0),
+                  "transients": TRANSIENT_FACTOR * (act["layers"] + act.get("logits", 0.0)),
                   "runtime reserve": RUNTIME_RESERVE_GIB * GIB}
         without = sum(memory.values()) - opt + o_bytes * n
         if best is None or sum(memory.values()) > sum(best[2].values()):
@@ -798,6 +807,7 @@ def format_plan(plan: Plan) -> str:
                       else "optimizer (fp32 main + Adam m, v; not distributed)"),
         "activations": "activations (Korthikanti et al. 2022, see docs/training.md)",
         "logits": "logits + fp32 softmax (last stage)",
+        "transients": f"backward temporaries ({TRANSIENT_FACTOR:.0%} of the two above, measured)",
         "runtime reserve": "runtime reserve (CUDA, NCCL, fragmentation)",
     }
     for k, v in plan.memory.items():
