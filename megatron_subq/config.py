@@ -214,3 +214,38 @@ class SubqTransformerConfig(TransformerConfig):
             variant.resolve(self)
         for variant in used:
             variant.validate(self)
+        self._validate_context_parallel(used)
+
+    def _validate_context_parallel(self, used) -> None:
+        """Context parallelism (``context_parallel_size`` > 1) needs a CP path in every variant
+        in use (``Variant.context_parallel``), the GPT host, and heads that split over TP x CP
+        (the all-to-all path gives each CP rank a share of its TP rank's heads)."""
+        cp = self.context_parallel_size
+        if cp == 1:
+            return
+        if self.is_hybrid:
+            _fail("context_parallel_size", cp, "1 with the hybrid host (hybrid_override_pattern): "
+                  "its Mamba-2 layers have no context-parallel path yet")
+        refused = sorted(v.name for v in used if v.context_parallel == "none")
+        if refused:
+            raise ValueError(
+                f"context_parallel_size={cp} is invalid with {', '.join(refused)} layers: allowed "
+                "1 (these variants have no context-parallel path: sas mixes heads, the Q/K-source "
+                "variants carry fixed rows)")
+        if any(v.context_parallel == "all_to_all" for v in used):
+            heads = self.num_attention_heads // self.tensor_model_parallel_size
+            if heads % cp:
+                raise ValueError(
+                    f"context_parallel_size={cp} is invalid: allowed a divisor of the attention "
+                    f"heads per tensor-parallel rank (num_attention_heads="
+                    f"{self.num_attention_heads} / tensor_model_parallel_size="
+                    f"{self.tensor_model_parallel_size} = {heads}; the all-to-all path splits "
+                    "them over CP)")
+            groups = (self.num_query_groups or self.num_attention_heads) \
+                // self.tensor_model_parallel_size
+            if groups % cp and cp % groups:
+                raise ValueError(
+                    f"context_parallel_size={cp} is invalid with num_query_groups="
+                    f"{self.num_query_groups} per tensor-parallel rank {groups}: allowed a "
+                    "divisor or a multiple of it (key/value heads are split or replicated over "
+                    "CP)")

@@ -53,7 +53,8 @@ class ASACoreAttention(SubqCoreAttention):
                                           tp_group=self.tp_group)
 
     def attend(self, q, k, v, cu_seqlens=None):
-        return asa_attention(q, k, v, self.p_q, self.p_k, normalize=self.config.asa_normalize,
+        return asa_attention(q, k, v, self.cp_heads(self.p_q), self.cp_heads(self.p_k),
+                             normalize=self.config.asa_normalize,
                              impl=self.config.subq_impl, cu_seqlens=cu_seqlens)
 
     def attend_packed(self, q, k, v, cu_seqlens):
@@ -106,4 +107,5 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     resolve=resolve,
     core_flops=core_flops,
+    context_parallel="all_to_all",
 )
