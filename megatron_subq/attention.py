@@ -71,25 +71,43 @@ class SubqCoreAttention(MegatronModule):
         self.num_heads = config.num_attention_heads
         heads_tp = local_heads(config.num_attention_heads, "num_attention_heads",
                                tp_group=self.tp_group)
-        groups_tp = local_heads(config.num_query_groups or config.num_attention_heads,
-                                "num_query_groups", tp_group=self.tp_group)
-        check_context_parallel(config.layer_variant(layer_number), self.cp_size, heads_tp,
-                               groups_tp)
+        self.cp_mode = "none"
+        if self.cp_size > 1:
+            from .config import cp_mode  # noqa: PLC0415 (config imports the variants)
+
+            variant = config.layer_variant(layer_number)
+            self.cp_mode = cp_mode(config, variant)
+            groups_tp = local_heads(config.num_query_groups or config.num_attention_heads,
+                                    "num_query_groups", tp_group=self.tp_group)
+            check_context_parallel(variant, self.cp_mode, self.cp_size, heads_tp, groups_tp)
         self.num_heads_tp = heads_tp
-        self.num_query_groups_tp = groups_tp
         # the heads ``attend`` sees: this TP rank's, split over CP by the all-to-all exchange
-        self.num_heads_local = heads_tp // self.cp_size
+        self.cp_head_split = self.cp_size if self.cp_mode == "all_to_all" else 1
+        self.num_heads_local = heads_tp // self.cp_head_split
         self.head_dim = config.kv_channels
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H_local, D], k/v: [B, T, H_kv_local, D] -> [B, T, H_local, D]."""
         raise NotImplementedError
 
+    def chunk_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """State passing (variants with ``Variant.state_passing``): the recurrent state that
+        the tokens of ``q/k/v`` ``[B, T, H, D]`` alone leave, as a tuple of tensors. It must be
+        additive: the state after several chunks is the sum of theirs."""
+        raise NotImplementedError
+
+    def attend_from_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          state: tuple) -> torch.Tensor:
+        """State passing: ``attend`` of a chunk that follows tokens whose summed
+        ``chunk_state`` is ``state``."""
+        raise NotImplementedError
+
     def cp_heads(self, param: torch.Tensor) -> torch.Tensor:
         """The rows of a per-head parameter (dim 0: this TP rank's heads) that this CP rank's
-        ``attend`` uses; the whole parameter without CP. Each CP rank's gradient then fills only
-        its rows: the data-parallel reduction over DP x CP (megatron's DDP) sums them."""
-        if self.cp_size == 1:
+        ``attend`` uses; the whole parameter without the all-to-all path. Each CP rank's
+        gradient then fills only its rows: the data-parallel reduction over DP x CP (megatron's
+        DDP) sums them."""
+        if self.cp_head_split == 1:
             return param
         n = self.num_heads_local
         return param[self.cp_rank * n:(self.cp_rank + 1) * n]
@@ -132,6 +150,10 @@ class SubqCoreAttention(MegatronModule):
                                  f"(--context-parallel-size={self.cp_size}) are not supported; "
                                  "allowed: one of them")
             return self._forward_packed(query, key, value, packed_seq_params)
+        if self.cp_mode == "state_passing":
+            q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s/cp, h, d]
+            out = self._attend_state_passing(q, k, v).transpose(0, 1)
+            return out.reshape(out.shape[0], out.shape[1], -1)
         if self.cp_size > 1:  # [s/cp, b, h, d] zig-zag -> [s, b, h/cp, d] natural order
             query = sequence_to_heads(query, self.cp_group, self.query_head_stacks)
             key, value = (sequence_to_heads(replicate_kv_heads(x, self.cp_size), self.cp_group)
@@ -142,6 +164,28 @@ class SubqCoreAttention(MegatronModule):
         if self.cp_size > 1:
             out = heads_to_sequence(out, self.cp_group)
         return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np*hn]
+
+    def _attend_state_passing(self, q, k, v):
+        """This rank's two zig-zag chunks ``[b, s/cp, h, d]``, each attended after the summed
+        states of the chunks before it in the sequence: the chunk states are all-gathered over
+        the CP group (an autograd all-gather: the gradient of each rank's states comes back to
+        it), put in sequence order and prefix-summed."""
+        c = q.shape[1] // 2
+        halves = [(q[:, :c], k[:, :c], v[:, :c]), (q[:, c:], k[:, c:], v[:, c:])]
+        own = [self.chunk_state(*half) for half in halves]
+        order = zigzag_chunks(self.cp_size)  # position 2r + half holds chunk order[2r + half]
+        natural = [order.index(j) for j in range(2 * self.cp_size)]
+        before = []
+        for parts in zip(*own):  # one state tensor: [2, ...] here -> [cp, 2, ...] gathered
+            gathered = _AllGather.apply(torch.stack(parts), self.cp_group)
+            chunks = gathered.reshape(2 * self.cp_size, *parts[0].shape)[natural]
+            prefix = torch.cat([torch.zeros_like(chunks[:1]), chunks[:-1].cumsum(0)])
+            before.append(prefix)
+        outs = []
+        for half, (qh, kh, vh) in enumerate(halves):
+            j = order[2 * self.cp_rank + half]
+            outs.append(self.attend_from_state(qh, kh, vh, tuple(p[j] for p in before)))
+        return torch.cat(outs, dim=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
@@ -156,12 +200,13 @@ def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # context parallelism: the all-to-all exchange
 # ------------------------------------------------------------------------------------------------
-def check_context_parallel(variant, cp: int, heads_tp: int, groups_tp: int) -> None:
-    """Refuse, before anything is allocated, a CP size the layer's variant cannot run (the
-    config checks the same; modules built with a hand-made ``pg_collection`` meet it here)."""
-    if cp == 1:
+def check_context_parallel(variant, mode: str, cp: int, heads_tp: int, groups_tp: int) -> None:
+    """Refuse, before anything is allocated, a CP size the layer's variant cannot run in
+    ``mode`` (the config checks the same; modules built with a hand-made ``pg_collection``
+    meet it here)."""
+    if cp == 1 or mode == "state_passing":
         return
-    if variant.context_parallel != "all_to_all":
+    if mode != "all_to_all":
         raise ValueError(f"context_parallel_size={cp} (--context-parallel-size) is invalid with "
                          f"{variant.name} layers: allowed 1 (context_parallel="
                          f"{variant.context_parallel!r})")
@@ -192,6 +237,26 @@ class _AllToAll(torch.autograd.Function):
         out = torch.empty_like(grad)
         dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
+
+
+class _AllGather(torch.autograd.Function):
+    """``all_gather`` of equal tensors into ``[ranks, ...]``; backward: the gradient summed over
+    the ranks (each used every rank's slot), this rank's slot returned (all-reduce: gloo has no
+    reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.rank = get_pg_rank(group)
+        parts = [torch.empty_like(x) for _ in range(get_pg_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
 
 
 def zigzag_chunks(cp: int):

@@ -31,6 +31,14 @@ def _fail(field_name: str, value, allowed: str) -> None:
     raise ValueError(f"{field_name}={value!r} is invalid: allowed {allowed}")
 
 
+def cp_mode(config, variant) -> str:
+    """The context-parallel path of ``variant``'s layers under ``config``: its own
+    (``Variant.context_parallel``), or state passing where asked and offered."""
+    if config.context_parallel_scheme == "state_passing" and variant.state_passing:
+        return "state_passing"
+    return variant.context_parallel
+
+
 @dataclass
 class SubqTransformerConfig(TransformerConfig):
     """A ``TransformerConfig`` that also says which attention variant each layer uses."""
@@ -59,6 +67,12 @@ class SubqTransformerConfig(TransformerConfig):
     skip_variant_layers: bool = False
     """Evaluation-time ablation (deconstructing-attention paper): non-standard layers pass their
     input through unchanged. Not a training mode."""
+
+    context_parallel_scheme: Optional[str] = None
+    """Under context parallelism, the path of the layers whose variant offers a choice
+    (``Variant.state_passing``: asa): None or 'all_to_all' (heads exchanged for sequence, every
+    variant's default), 'state_passing' (each rank's chunk states summed across the CP ranks;
+    heads stay whole, so no head-count constraint and only states cross ranks)."""
 
     # ---- asa ----------------------------------------------------------------------------
     asa_rank: Optional[int] = None
@@ -221,6 +235,15 @@ class SubqTransformerConfig(TransformerConfig):
         in use (``Variant.context_parallel``), the GPT host, and heads that split over TP x CP
         (the all-to-all path gives each CP rank a share of its TP rank's heads)."""
         cp = self.context_parallel_size
+        scheme = self.context_parallel_scheme
+        if scheme not in (None, "all_to_all", "state_passing"):
+            _fail("context_parallel_scheme", scheme, "None, 'all_to_all' or 'state_passing'")
+        if scheme == "state_passing" and not any(v.state_passing for v in used):
+            from .variants import VARIANTS  # noqa: PLC0415
+
+            _fail("context_parallel_scheme", scheme,
+                  "None or 'all_to_all' here: no layer's variant takes state passing (those that "
+                  f"do: {sorted(n for n, v in VARIANTS.items() if v.state_passing)})")
         if cp == 1:
             return
         if self.is_hybrid:
@@ -232,7 +255,7 @@ class SubqTransformerConfig(TransformerConfig):
                 f"context_parallel_size={cp} is invalid with {', '.join(refused)} layers: allowed "
                 "1 (these variants have no context-parallel path: sas mixes heads, the Q/K-source "
                 "variants carry fixed rows)")
-        if any(v.context_parallel == "all_to_all" for v in used):
+        if any(cp_mode(self, v) == "all_to_all" for v in used):
             heads = self.num_attention_heads // self.tensor_model_parallel_size
             if heads % cp:
                 raise ValueError(

@@ -26,7 +26,14 @@ from megatron_subq.testing.equivalence import TINY, every_case_every_layout  # n
 from megatron_subq.training import arguments  # noqa: E402
 
 CP_VARIANTS = sorted(n for n, v in VARIANTS.items() if v.context_parallel == "all_to_all")
-CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS]
+CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
+    # one key/value head for two CP ranks: replicated before the exchange; asa's per-head
+    # P_Q/P_K are sliced per CP rank
+    ("asa-mqa", {**variant_test_settings("asa"), "num_query_groups": 1})] + [
+    # state passing instead of the all-to-all, each normalisation
+    (f"asa-state-passing-{mode}", {**variant_test_settings("asa"), "asa_normalize": mode,
+                                   "context_parallel_scheme": "state_passing"})
+    for mode in ("linear", "mean", "none")]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 
 TRAINER = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -68,7 +75,8 @@ def _get(result, what):
 
 
 def _assert_matches(got, ref, name, what):
-    tol = {"rtol": 1e-4, "atol": 1e-5, **VARIANT_TEST_TOLERANCES.get(name, {})}
+    tol = {"rtol": 1e-4, "atol": 1e-5,
+           **VARIANT_TEST_TOLERANCES.get(name.split("-")[0], {})}
     torch.testing.assert_close(got["loss"], ref["loss"], rtol=1e-4, atol=1e-5,
                                msg=lambda m: f"{what} loss: {m}")
     assert set(got["grads"]) == set(ref["grads"]), "different parameter sets"
@@ -127,7 +135,11 @@ def test_cp2_tp2_equals_tp1():
      "allowed a divisor of the attention heads per tensor-parallel rank"),
     ({"num_attention_heads": 6, "num_query_groups": 3, "kv_channels": 16},
      "num_query_groups=3 per tensor-parallel rank 3: allowed a divisor or a multiple"),
-], ids=["sas", "qk-source", "mixed-pattern", "hybrid", "heads", "kv-heads"])
+    ({"context_parallel_scheme": "ring"}, "context_parallel_scheme='ring' is invalid"),
+    ({"context_parallel_scheme": "state_passing"},
+     "no layer's variant takes state passing (those that do: ['asa'])"),
+], ids=["sas", "qk-source", "mixed-pattern", "hybrid", "heads", "kv-heads", "scheme",
+        "no-state-passing"])
 def test_config_refuses_what_has_no_cp_path(kwargs, needle):
     with pytest.raises(ValueError) as err:
         SubqTransformerConfig(**{**TINY, **kwargs, "context_parallel_size": 2})
@@ -172,3 +184,13 @@ def test_capabilities():
     assert CP_VARIANTS == ["approx", "asa", "mlp", "nonapprox", "ppa", "standard", "superlinear"]
     refused = sorted(n for n, v in VARIANTS.items() if v.context_parallel == "none")
     assert refused == ["fixed_seq_qk", "rnd_emb_qk", "sas", "static_emb_qk"]
+    assert sorted(n for n, v in VARIANTS.items() if v.state_passing) == ["asa"]
+
+
+def test_state_passing_is_a_trainer_flag():
+    from megatron_subq.training.trainer import build_config
+
+    args = arguments.parse_args(MIN + ["--context-parallel-size", "2", "--attention-variant",
+                                       "asa", "--context-parallel-scheme", "state_passing"],
+                                world_size=2)
+    assert build_config(args).context_parallel_scheme == "state_passing"
