@@ -73,10 +73,8 @@ class SubqCoreAttention(MegatronModule):
                                tp_group=self.tp_group)
         self.cp_mode = "none"
         if self.cp_size > 1:
-            from .config import cp_mode  # noqa: PLC0415 (config imports the variants)
-
             variant = config.layer_variant(layer_number)
-            self.cp_mode = cp_mode(config, variant)
+            self.cp_mode = variant.cp_mode(config)
             groups_tp = local_heads(config.num_query_groups or config.num_attention_heads,
                                     "num_query_groups", tp_group=self.tp_group)
             check_context_parallel(variant, self.cp_mode, self.cp_size, heads_tp, groups_tp)

@@ -31,14 +31,6 @@ def _fail(field_name: str, value, allowed: str) -> None:
     raise ValueError(f"{field_name}={value!r} is invalid: allowed {allowed}")
 
 
-def cp_mode(config, variant) -> str:
-    """The context-parallel path of ``variant``'s layers under ``config``: its own
-    (``Variant.context_parallel``), or state passing where asked and offered."""
-    if config.context_parallel_scheme == "state_passing" and variant.state_passing:
-        return "state_passing"
-    return variant.context_parallel
-
-
 @dataclass
 class SubqTransformerConfig(TransformerConfig):
     """A ``TransformerConfig`` that also says which attention variant each layer uses."""
@@ -255,7 +247,7 @@ class SubqTransformerConfig(TransformerConfig):
                 f"context_parallel_size={cp} is invalid with {', '.join(refused)} layers: allowed "
                 "1 (these variants have no context-parallel path: sas mixes heads, the Q/K-source "
                 "variants carry fixed rows)")
-        if any(cp_mode(self, v) == "all_to_all" for v in used):
+        if any(v.cp_mode(self) == "all_to_all" for v in used):
             heads = self.num_attention_heads // self.tensor_model_parallel_size
             if heads % cp:
                 raise ValueError(

@@ -99,6 +99,15 @@ class Variant:
     own_input_norm: bool = False
     hf_param_map: Callable[..., dict] = _no_params
 
+    def cp_mode(self, config) -> str:
+        """The context-parallel path of this variant's layers under ``config``: its own
+        (``context_parallel``), or state passing where the config asks for it
+        (``context_parallel_scheme``) and the variant offers it."""
+        if getattr(config, "context_parallel_scheme", None) == "state_passing" \
+                and self.state_passing:
+            return "state_passing"
+        return self.context_parallel
+
     def __post_init__(self):
         if self.context_parallel not in CONTEXT_PARALLEL_MODES:
             raise ValueError(f"Variant {self.name!r}: context_parallel={self.context_parallel!r} "
