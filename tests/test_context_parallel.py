@@ -105,21 +105,38 @@ def test_trainer_cp2_matches_cp1_and_its_checkpoint_loads_at_cp1(results):
 
 
 def cp_tp_suite(cases):
-    return every_case_every_layout(cases, ["tp1", "cp2-tp2", "cp2-tp2-sp"])
+    """In a world of four: the cases at TP=1, CP=2 x TP=2 and CP=2 x TP=2 + SP; the trainer at
+    CP=2 x TP=2 + SP against TP=2 + SP (DP=2), and at CP=2 x PP=2 against PP=2 (DP=2)."""
+    from megatron_subq.training import pretrain
+
+    out = {"layouts": every_case_every_layout(cases, ["tp1", "cp2-tp2", "cp2-tp2-sp"])}
+    for name, extra in (("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("pp2", ["--pipeline-model-parallel-size", "2"])):
+        out[f"trainer_{name}"] = pretrain(TRAINER + extra + ["--eval-iters", "0"])
+        out[f"trainer_cp2_{name}"] = pretrain(TRAINER + extra + ["--eval-iters", "0",
+                                                                 "--context-parallel-size", "2"])
+    return out
 
 
 @pytest.mark.slow
 def test_cp2_tp2_equals_tp1():
     """CP=2 x TP=2 (with and without SP) in a world of four, for standard and superlinear:
     superlinear's search queries ride along their query heads, and with 1 key/value head per
-    TP rank the exchange replicates it over the two CP ranks."""
+    TP rank the exchange replicates it over the two CP ranks. The trainer combines CP with
+    TP + SP and with PP (the same losses as without CP)."""
     ranks = run_distributed(cp_tp_suite, 4, args=(TP_CASES,))
     for name, _ in TP_CASES:
-        ref = _get(ranks[0][name]["tp1"], f"{name} at TP=1")
+        ref = _get(ranks[0]["layouts"][name]["tp1"], f"{name} at TP=1")
         for rank, r in enumerate(ranks):
             for layout in ("cp2-tp2", "cp2-tp2-sp"):
-                got = _get(r[name][layout], f"{name} at {layout}, rank {rank}")
+                got = _get(r["layouts"][name][layout], f"{name} at {layout}, rank {rank}")
                 _assert_matches(got, ref, name, f"{name} {layout} rank {rank}")
+    last = ranks[-1]
+    for name in ("tp2-sp", "pp2"):
+        ref, got = last[f"trainer_{name}"]["iterations"], last[f"trainer_cp2_{name}"]["iterations"]
+        assert sorted(got) == sorted(ref) == [1, 2, 3], name
+        for it in ref:
+            assert got[it] == pytest.approx(ref[it], rel=1e-5, abs=1e-5), (name, it, got, ref)
 
 
 # ---- refusals (no processes) -------------------------------------------------------------------
