@@ -176,7 +176,8 @@ class SubqCoreAttention(MegatronModule):
         before = []
         for parts in zip(*own):  # one state tensor: [2, ...] here -> [cp, 2, ...] gathered
             gathered = _AllGather.apply(torch.stack(parts), self.cp_group)
-            chunks = gathered.reshape(2 * self.cp_size, *parts[0].shape)[natural]
+            gathered = gathered.reshape(2 * self.cp_size, *parts[0].shape)
+            chunks = torch.stack([gathered[i] for i in natural])
             prefix = torch.cat([torch.zeros_like(chunks[:1]), chunks[:-1].cumsum(0)])
             before.append(prefix)
         outs = []
@@ -266,8 +267,7 @@ def zigzag_chunks(cp: int):
 def _reorder_chunks(x: torch.Tensor, order) -> torch.Tensor:
     """x [s, ...] seen as len(order) equal chunks along dim 0 -> chunks ``order[0], order[1], ..``."""
     chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
-    index = torch.tensor(order, device=x.device)
-    return chunks.index_select(0, index).view(x.shape)
+    return torch.cat([chunks[i] for i in order])  # slices: no index tensor copied to the device
 
 
 def replicate_kv_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
