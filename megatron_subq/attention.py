@@ -18,6 +18,14 @@ document as its own causal sequence: through the op's own ``cu_seqlens`` (asa, p
 ``attend`` per document (the default ``attend_packed``; every variant is causal per sequence).
 Which variants take them is the registry's ``Variant.packed_sequences``; the Q/K-source variants,
 the only ones that do not, refuse them in their own attention and model.
+
+Context parallelism (``Variant.context_parallel == "all_to_all"``, ``pg_collection.cp`` of N > 1
+ranks): q/k/v arrive sequence-sharded ``[s/N, b, heads, d]`` in megatron's zig-zag order (rank r
+holds chunks r and 2N-1-r of 2N). ``forward`` exchanges them over the CP group (all-to-all) for
+``[s, b, heads/N, d]``, puts the tokens in natural order, runs the variant's full-sequence
+``attend`` on its share of the heads, and reverses both steps for the output; autograd runs the
+exchange backwards. Key/value heads fewer than N are replicated first (as megatron does for TP);
+per-head parameters of a variant are read through ``cp_heads`` (this CP rank's rows).
 """
 
 from __future__ import annotations
@@ -25,15 +33,22 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.utils import get_pg_size
+from megatron.core.utils import get_pg_rank, get_pg_size
 
 from .parallel import local_heads, process_groups, sharded_state_dict_with_head_params
 
 
 class SubqCoreAttention(MegatronModule):
-    """Base of every variant's core attention. Subclasses implement ``attend``."""
+    """Base of every variant's core attention. Subclasses implement ``attend``.
+
+    ``query_head_stacks``: how many per-head stacks the query carries along its head dimension
+    (1; Superlinear's 2: the query heads, then their search queries); the context-parallel
+    exchange splits each stack alike so that a CP rank keeps a head with its companions."""
+
+    query_head_stacks: int = 1
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  attention_type: str = "self", attention_dropout: Optional[float] = None,
@@ -48,21 +63,52 @@ class SubqCoreAttention(MegatronModule):
                              "allowed: 'self'")
         self.pg_collection = process_groups(pg_collection)
         self.tp_group = self.pg_collection.tp
-        cp = max(get_pg_size(getattr(self.pg_collection, "cp", None)),
-                 config.context_parallel_size)
-        if cp > 1 and config.layer_variant(layer_number).context_parallel == "none":
-            raise ValueError(f"context_parallel_size={cp} is not supported by megatron_subq's "
-                             "attention variants yet; allowed: 1")
+        self.cp_group = getattr(self.pg_collection, "cp", None)
+        self.cp_size = get_pg_size(self.cp_group)
+        self.cp_rank = get_pg_rank(self.cp_group) if self.cp_size > 1 else 0
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale
         self.num_heads = config.num_attention_heads
-        self.num_heads_local = local_heads(config.num_attention_heads, "num_attention_heads",
-                                           tp_group=self.tp_group)
+        heads_tp = local_heads(config.num_attention_heads, "num_attention_heads",
+                               tp_group=self.tp_group)
+        self.cp_mode = "none"
+        if self.cp_size > 1:
+            variant = config.layer_variant(layer_number)
+            self.cp_mode = variant.cp_mode(config)
+            groups_tp = local_heads(config.num_query_groups or config.num_attention_heads,
+                                    "num_query_groups", tp_group=self.tp_group)
+            check_context_parallel(variant, self.cp_mode, self.cp_size, heads_tp, groups_tp)
+        self.num_heads_tp = heads_tp
+        # the heads ``attend`` sees: this TP rank's, split over CP by the all-to-all exchange
+        self.cp_head_split = self.cp_size if self.cp_mode == "all_to_all" else 1
+        self.num_heads_local = heads_tp // self.cp_head_split
         self.head_dim = config.kv_channels
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H_local, D], k/v: [B, T, H_kv_local, D] -> [B, T, H_local, D]."""
         raise NotImplementedError
+
+    def chunk_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """State passing (variants with ``Variant.state_passing``): the recurrent state that
+        the tokens of ``q/k/v`` ``[B, T, H, D]`` alone leave, as a tuple of tensors. It must be
+        additive: the state after several chunks is the sum of theirs."""
+        raise NotImplementedError
+
+    def attend_from_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          state: tuple) -> torch.Tensor:
+        """State passing: ``attend`` of a chunk that follows tokens whose summed
+        ``chunk_state`` is ``state``."""
+        raise NotImplementedError
+
+    def cp_heads(self, param: torch.Tensor) -> torch.Tensor:
+        """The rows of a per-head parameter (dim 0: this TP rank's heads) that this CP rank's
+        ``attend`` uses; the whole parameter without the all-to-all path. Each CP rank's
+        gradient then fills only its rows: the data-parallel reduction over DP x CP (megatron's
+        DDP) sums them."""
+        if self.cp_head_split == 1:
+            return param
+        n = self.num_heads_local
+        return param[self.cp_rank * n:(self.cp_rank + 1) * n]
 
     def attend_packed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -96,11 +142,49 @@ class SubqCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError(f"{type(self).__name__}: attention_bias is not supported")
         if packed_seq_params is not None:
+            if self.cp_size > 1:
+                raise ValueError(f"{type(self).__name__}: packed sequences (--reset-attention-mask"
+                                 ", packed_seq_params) with context parallelism "
+                                 f"(--context-parallel-size={self.cp_size}) are not supported; "
+                                 "allowed: one of them")
             return self._forward_packed(query, key, value, packed_seq_params)
+        if self.cp_mode == "state_passing":
+            q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s/cp, h, d]
+            out = self._attend_state_passing(q, k, v).transpose(0, 1)
+            return out.reshape(out.shape[0], out.shape[1], -1)
+        if self.cp_size > 1:  # [s/cp, b, h, d] zig-zag -> [s, b, h/cp, d] natural order
+            query = sequence_to_heads(query, self.cp_group, self.query_head_stacks)
+            key, value = (sequence_to_heads(replicate_kv_heads(x, self.cp_size), self.cp_group)
+                          for x in (key, value))
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
         out = self.attend(q, k, v)  # [b, s, np, hn]
         out = out.transpose(0, 1)  # [s, b, np, hn]
+        if self.cp_size > 1:
+            out = heads_to_sequence(out, self.cp_group)
         return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np*hn]
+
+    def _attend_state_passing(self, q, k, v):
+        """This rank's two zig-zag chunks ``[b, s/cp, h, d]``, each attended after the summed
+        states of the chunks before it in the sequence: the chunk states are all-gathered over
+        the CP group (an autograd all-gather: the gradient of each rank's states comes back to
+        it), put in sequence order and prefix-summed."""
+        c = q.shape[1] // 2
+        halves = [(q[:, :c], k[:, :c], v[:, :c]), (q[:, c:], k[:, c:], v[:, c:])]
+        own = [self.chunk_state(*half) for half in halves]
+        order = zigzag_chunks(self.cp_size)  # position 2r + half holds chunk order[2r + half]
+        natural = [order.index(j) for j in range(2 * self.cp_size)]
+        before = []
+        for parts in zip(*own):  # one state tensor: [2, ...] here -> [cp, 2, ...] gathered
+            gathered = _AllGather.apply(torch.stack(parts), self.cp_group)
+            gathered = gathered.reshape(2 * self.cp_size, *parts[0].shape)
+            chunks = torch.stack([gathered[i] for i in natural])
+            prefix = torch.cat([torch.zeros_like(chunks[:1]), chunks[:-1].cumsum(0)])
+            before.append(prefix)
+        outs = []
+        for half, (qh, kh, vh) in enumerate(halves):
+            j = order[2 * self.cp_rank + half]
+            outs.append(self.attend_from_state(qh, kh, vh, tuple(p[j] for p in before)))
+        return torch.cat(outs, dim=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
@@ -110,3 +194,108 @@ def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:
     """The document boundaries of megatron's THD ``packed_seq_params`` (padded ones if given)."""
     cu = packed_seq_params.cu_seqlens_q_padded
     return packed_seq_params.cu_seqlens_q if cu is None else cu
+
+
+# ------------------------------------------------------------------------------------------------
+# context parallelism: the all-to-all exchange
+# ------------------------------------------------------------------------------------------------
+def check_context_parallel(variant, mode: str, cp: int, heads_tp: int, groups_tp: int) -> None:
+    """Refuse, before anything is allocated, a CP size the layer's variant cannot run in
+    ``mode`` (the config checks the same; modules built with a hand-made ``pg_collection``
+    meet it here)."""
+    if cp == 1 or mode == "state_passing":
+        return
+    if mode != "all_to_all":
+        raise ValueError(f"context_parallel_size={cp} (--context-parallel-size) is invalid with "
+                         f"{variant.name} layers: allowed 1 (context_parallel="
+                         f"{variant.context_parallel!r})")
+    if heads_tp % cp:
+        raise ValueError(f"context_parallel_size={cp} (--context-parallel-size) is invalid: "
+                         f"allowed a divisor of the {heads_tp} attention heads per "
+                         "tensor-parallel rank")
+    if groups_tp % cp and cp % groups_tp:
+        raise ValueError(f"context_parallel_size={cp} (--context-parallel-size) is invalid with "
+                         f"{groups_tp} key/value heads per tensor-parallel rank: allowed a "
+                         "divisor or a multiple of it")
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 (one equal slice per rank); its adjoint is itself."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+class _AllGather(torch.autograd.Function):
+    """``all_gather`` of equal tensors into ``[ranks, ...]``; backward: the gradient summed over
+    the ranks (each used every rank's slot), this rank's slot returned (all-reduce: gloo has no
+    reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        ctx.rank = get_pg_rank(group)
+        parts = [torch.empty_like(x) for _ in range(get_pg_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.rank], None
+
+
+def zigzag_chunks(cp: int):
+    """The chunk each position of a gathered zig-zag sequence holds: rank r's two chunks r and
+    2·cp-1-r, ranks in order (megatron's ``get_batch_on_this_cp_rank``)."""
+    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+
+
+def _reorder_chunks(x: torch.Tensor, order) -> torch.Tensor:
+    """x [s, ...] seen as len(order) equal chunks along dim 0 -> chunks ``order[0], order[1], ..``."""
+    chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
+    return torch.cat([chunks[i] for i in order])  # slices: no index tensor copied to the device
+
+
+def replicate_kv_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """Key/value heads ``[s, b, g, d]`` repeated to ``cp`` heads when g < cp (each head's
+    copies adjacent, so CP rank r gets head r·g/cp, the group of its query heads); unchanged
+    otherwise. The gradient of the copies sums back (autograd of ``repeat_interleave``)."""
+    g = x.shape[2]
+    return x if g >= cp else x.repeat_interleave(cp // g, dim=2)
+
+
+def sequence_to_heads(x: torch.Tensor, group, stacks: int = 1) -> torch.Tensor:
+    """``[s/cp, b, stacks·h, d]`` (zig-zag sequence shard, all heads) -> ``[s, b, stacks·h/cp,
+    d]`` (whole sequence in natural order, this rank's slice ``h/cp`` of each stack)."""
+    cp = get_pg_size(group)
+    s_local, b, heads, d = x.shape
+    h = heads // stacks
+    x = x.view(s_local, b, stacks, cp, h // cp, d).permute(3, 0, 1, 2, 4, 5)
+    x = _AllToAll.apply(x, group)  # [cp (source rank), s/cp, b, stacks, h/cp, d]
+    x = x.reshape(cp * s_local, b, stacks * (h // cp), d)
+    natural = [zigzag_chunks(cp).index(c) for c in range(2 * cp)]
+    return _reorder_chunks(x, natural)
+
+
+def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """The inverse of ``sequence_to_heads`` (one stack): ``[s, b, h/cp, d]`` natural order ->
+    ``[s/cp, b, h, d]`` this rank's zig-zag shard."""
+    cp = get_pg_size(group)
+    s, b, h, d = x.shape
+    x = _reorder_chunks(x, zigzag_chunks(cp)).view(cp, s // cp, b, h, d)
+    x = _AllToAll.apply(x, group)  # [cp (head slice), s/cp, b, h/cp, d]
+    return x.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)

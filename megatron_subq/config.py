@@ -60,6 +60,12 @@ class SubqTransformerConfig(TransformerConfig):
     """Evaluation-time ablation (deconstructing-attention paper): non-standard layers pass their
     input through unchanged. Not a training mode."""
 
+    context_parallel_scheme: Optional[str] = None
+    """Under context parallelism, the path of the layers whose variant offers a choice
+    (``Variant.state_passing``: asa): None or 'all_to_all' (heads exchanged for sequence, every
+    variant's default), 'state_passing' (each rank's chunk states summed across the CP ranks;
+    heads stay whole, so no head-count constraint and only states cross ranks)."""
+
     # ---- asa ----------------------------------------------------------------------------
     asa_rank: Optional[int] = None
     """m: the feature dimension of ASA's per-head projections P_Q, P_K (d_h x m), m < d_h
@@ -214,3 +220,47 @@ class SubqTransformerConfig(TransformerConfig):
             variant.resolve(self)
         for variant in used:
             variant.validate(self)
+        self._validate_context_parallel(used)
+
+    def _validate_context_parallel(self, used) -> None:
+        """Context parallelism (``context_parallel_size`` > 1) needs a CP path in every variant
+        in use (``Variant.context_parallel``), the GPT host, and heads that split over TP x CP
+        (the all-to-all path gives each CP rank a share of its TP rank's heads)."""
+        cp = self.context_parallel_size
+        scheme = self.context_parallel_scheme
+        if scheme not in (None, "all_to_all", "state_passing"):
+            _fail("context_parallel_scheme", scheme, "None, 'all_to_all' or 'state_passing'")
+        if scheme == "state_passing" and not any(v.state_passing for v in used):
+            from .variants import VARIANTS  # noqa: PLC0415
+
+            _fail("context_parallel_scheme", scheme,
+                  "None or 'all_to_all' here: no layer's variant takes state passing (those that "
+                  f"do: {sorted(n for n, v in VARIANTS.items() if v.state_passing)})")
+        if cp == 1:
+            return
+        if self.is_hybrid:
+            _fail("context_parallel_size", cp, "1 with the hybrid host (hybrid_override_pattern): "
+                  "its Mamba-2 layers have no context-parallel path yet")
+        refused = sorted(v.name for v in used if v.context_parallel == "none")
+        if refused:
+            raise ValueError(
+                f"context_parallel_size={cp} is invalid with {', '.join(refused)} layers: allowed "
+                "1 (these variants have no context-parallel path: sas mixes heads, the Q/K-source "
+                "variants carry fixed rows)")
+        if any(v.cp_mode(self) == "all_to_all" for v in used):
+            heads = self.num_attention_heads // self.tensor_model_parallel_size
+            if heads % cp:
+                raise ValueError(
+                    f"context_parallel_size={cp} is invalid: allowed a divisor of the attention "
+                    f"heads per tensor-parallel rank (num_attention_heads="
+                    f"{self.num_attention_heads} / tensor_model_parallel_size="
+                    f"{self.tensor_model_parallel_size} = {heads}; the all-to-all path splits "
+                    "them over CP)")
+            groups = (self.num_query_groups or self.num_attention_heads) \
+                // self.tensor_model_parallel_size
+            if groups % cp and cp % groups:
+                raise ValueError(
+                    f"context_parallel_size={cp} is invalid with num_query_groups="
+                    f"{self.num_query_groups} per tensor-parallel rank {groups}: allowed a "
+                    "divisor or a multiple of it (key/value heads are split or replicated over "
+                    "CP)")

@@ -22,6 +22,9 @@ GPU machine. Each patch says what it answers:
    activation recomputation (``CheckpointFunction``) saves and restores the CUDA generator's state
    around the recomputed forward; megatron still saves and restores the CPU generator and the
    tracker (3) there.
+8. ``pin_memory=True`` (and ``Tensor.pin_memory()``) under the mode of 4 -> unpinned: RoPE's
+   per-context-parallel-rank index (``rope_utils.get_pos_emb_on_this_cp_rank``) pins a CPU
+   tensor, which needs an accelerator.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # 8
+            kwargs["pin_memory"] = False
         name = getattr(func, "__name__", "")
-        if name == "cuda":  # Tensor.cuda(...)
+        if name in ("cuda", "pin_memory"):  # Tensor.cuda(...), 8: Tensor.pin_memory()
             return args[0]
         if name == "type" and len(args) == 1 and not kwargs:  # 6: Tensor.type() type checks
             t = func(*args)

@@ -68,6 +68,40 @@ def tiny_gpt_step(cfg_kwargs: dict, vocab: int = 128, batch: int = 2, seq: int =
             "grads": gather_full_grads(model, config)}
 
 
+def tiny_gpt_cp_step(cfg_kwargs: dict, vocab: int = 128, batch: int = 2, seq: int = 16,
+                     data_seed: int = 0) -> dict:
+    """``tiny_gpt_step`` under context parallelism (and any TP): each CP rank takes its zig-zag
+    share of the batch (megatron's ``get_batch_on_this_cp_rank``), backpropagates its share of
+    the global mean loss, and the CP ranks' gradients are summed (what the DP x CP reduction of
+    megatron's DDP does). Returns the full per-token loss ``[b, s]`` in natural order and every
+    parameter's full gradient, comparable with ``tiny_gpt_step``'s."""
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
+
+    from ..attention import zigzag_chunks  # noqa: PLC0415
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = parallel_state.get_context_parallel_world_size()
+    kwargs = {**TINY, **cfg_kwargs, "tensor_model_parallel_size": tp,
+              "context_parallel_size": cp}
+    config = SubqTransformerConfig(**kwargs)
+    model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq)
+    tokens, labels, pos = make_batch(vocab, batch, seq, data_seed)
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels,
+                                       "position_ids": pos}, cp_group)
+    loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+    (loss.sum() / (batch * seq)).backward()
+    grads = gather_full_grads(model, config)
+    for g in grads.values():
+        dist.all_reduce(g, group=cp_group)
+    parts = [torch.empty_like(loss) for _ in range(cp)]
+    dist.all_gather(parts, loss.detach().contiguous(), group=cp_group)
+    zigzag = torch.cat(parts, dim=1).view(batch, 2 * cp, seq // (2 * cp))
+    order = zigzag_chunks(cp)
+    full = zigzag[:, [order.index(c) for c in range(2 * cp)]].reshape(batch, seq)
+    return {"loss": full, "grads": grads}
+
+
 def global_param_names(model: torch.nn.Module) -> Dict[str, str]:
     """Local parameter name -> name in the unsplit model (pipeline stages renumber layers)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
@@ -164,11 +198,13 @@ def fit_repeating_batch(model: torch.nn.Module, steps: int, lr: float = 3e-3, **
 # layout name -> (TP, PP, sequence parallel); "tp1"/"pp1" are the references (a world of one)
 LAYOUTS = {"tp1": (1, 1, False), "pp1": (1, 1, False), "tp2": (2, 1, False),
            "tp2-sp": (2, 1, True), "pp2": (1, 2, False)}
+# context-parallel layouts: name -> (TP, CP, sequence parallel), run by ``tiny_gpt_cp_step``
+CP_LAYOUTS = {"cp2": (1, 2, False), "cp2-tp2": (2, 2, False), "cp2-tp2-sp": (2, 2, True)}
 
 
 def every_case_every_layout(cases: list, layouts: list, seed: int = 1234) -> dict:
     """{case name: {layout: result}} for ``cases`` ([(name, config kwargs)]) at each of
-    ``layouts`` (keys of ``LAYOUTS``), all in this one world (re-initialised between them, as a
+    ``layouts`` (keys of ``LAYOUTS`` or ``CP_LAYOUTS``), all in this one world (re-initialised between them, as a
     fresh ``run_distributed`` rank would be): ``tiny_gpt_step`` for the TP layouts,
     ``tiny_gpt_pipeline_losses`` for the PP ones. A failure is kept as ("error", traceback) for
     that case and layout alone, so one test per case reports its own. One process launch
@@ -181,8 +217,13 @@ def every_case_every_layout(cases: list, layouts: list, seed: int = 1234) -> dic
     for name, kwargs in cases:
         out[name] = {}
         for layout in layouts:
-            tp, pp, sp = LAYOUTS[layout]
             try:
+                if layout in CP_LAYOUTS:
+                    tp, cp, sp = CP_LAYOUTS[layout]
+                    reinit_parallel(tp, 1, seed, context_parallel_size=cp)
+                    out[name][layout] = tiny_gpt_cp_step({**kwargs, "sequence_parallel": sp})
+                    continue
+                tp, pp, sp = LAYOUTS[layout]
                 reinit_parallel(tp, pp, seed)
                 if layout.startswith("pp"):
                     out[name][layout] = tiny_gpt_pipeline_losses(kwargs)

@@ -362,6 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="CP: every sequence split over this many ranks (megatron's zig-zag "
+                        "halves); the variant's context-parallel path exchanges them")
     g.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP: MoE experts split over this many data-parallel ranks")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -538,15 +541,18 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
              "micro_batch_size")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "log_interval", "eval_interval"):
+                 "pipeline_model_parallel_size", "context_parallel_size", "log_interval",
+                 "eval_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
     if args.eval_iters < 0:
         parser.error(f"--eval-iters={args.eval_iters} must be >= 0")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
+    cp = args.context_parallel_size
+    if world_size % (tp * pp * cp):
         parser.error(f"--tensor-model-parallel-size={tp} x --pipeline-model-parallel-size={pp} "
-                     f"does not divide the world size {world_size}")
+                     f"x --context-parallel-size={cp} does not divide the world size "
+                     f"{world_size}")
     ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
     if ep < 1 or etp < 1:
         parser.error("--expert-model-parallel-size and --expert-tensor-parallel-size must be >= 1")
@@ -556,7 +562,9 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      f"{world_size}")
     validate_hybrid_args(parser, args)
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if cp > 1:
+        _check_context_parallel(parser, args)
 
     if args.hidden_size % args.num_attention_heads:
         parser.error(f"--hidden-size={args.hidden_size} is not divisible by "
@@ -834,6 +842,27 @@ def fail(args: argparse.Namespace, message: str) -> None:
     """A start-up error found after parsing (e.g. by the model config): usage + message, exit 2."""
     parser = getattr(args, "_parser", None) or build_parser()
     parser.error(message)
+
+
+def _check_context_parallel(parser, args) -> None:
+    """--context-parallel-size > 1: the sequence splits into 2·CP equal chunks (megatron's
+    zig-zag), and what has no CP path is refused before anything is built (each variant's own
+    path is checked by the model config: ``Variant.context_parallel``)."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if args.seq_length % (2 * cp):
+        parser.error(f"--context-parallel-size={cp} needs --seq-length={args.seq_length} "
+                     f"divisible by 2 x --context-parallel-size = {2 * cp}")
+    if args.sequence_parallel and (args.seq_length // cp) % tp:
+        parser.error(f"--sequence-parallel with --context-parallel-size={cp} needs "
+                     f"--seq-length / {cp} = {args.seq_length // cp} divisible by "
+                     f"--tensor-model-parallel-size={tp}")
+    if args.reset_attention_mask:
+        parser.error(f"--reset-attention-mask (packed documents) with --context-parallel-size="
+                     f"{cp} is not supported; allowed: one of them")
+    if args.hybrid_override_pattern is not None:
+        parser.error(f"--context-parallel-size={cp} is not supported by the hybrid host "
+                     "(--hybrid-override-pattern): its Mamba-2 layers have no context-parallel "
+                     "path yet; allowed: 1")
 
 
 def _check_packed_sequences(parser, args) -> None:

@@ -83,6 +83,7 @@ def initialize_distributed(args) -> bool:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size)
     destroy_num_microbatches_calculator()
@@ -128,6 +129,7 @@ def build_config(args):
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
@@ -312,13 +314,26 @@ def _device() -> torch.device:
 # steps
 # ------------------------------------------------------------------------------------------------
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Megatron-LM's: (sum of masked token losses, token count, report [sum, count])."""
+    """Megatron-LM's: (sum of masked token losses, token count, report [sum, count]).
+
+    Under context parallelism each rank holds a share of the micro-batch's tokens: the count
+    is summed over the CP group and the loss multiplied by the CP size, so that the schedule's
+    ``loss / count`` summed over CP ranks by the DP x CP gradient average (megatron's DDP divides
+    by DP·CP) is the micro-batch's mean over all its tokens, as at CP=1. The report stays this
+    rank's [sum, count] (``_reduce_losses`` sums it over DP x CP)."""
+    from megatron.core import parallel_state  # noqa: PLC0415
+
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1),
-                                                    num_tokens.view(1).float()])}
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1).float()])}
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        num_tokens = num_tokens.clone()
+        dist.all_reduce(num_tokens, group=parallel_state.get_context_parallel_group())
+        loss = loss * cp
+    return loss, num_tokens, report
 
 
 def pack_documents(batch: dict, eod: int):
@@ -341,7 +356,14 @@ def pack_documents(batch: dict, eod: int):
 
 
 def forward_step(data_iterator, model, eod: Optional[int] = None):
+    from megatron.core import parallel_state  # noqa: PLC0415
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
+
     batch = to_device(next(data_iterator), _device())
+    if parallel_state.get_context_parallel_world_size() > 1:  # this rank's zig-zag halves
+        batch = get_batch_on_this_cp_rank(
+            {key: batch[key] for key in ("tokens", "labels", "loss_mask", "position_ids")},
+            parallel_state.get_context_parallel_group())
     packed = None
     if eod is not None:
         batch, packed = pack_documents(batch, eod)
@@ -361,13 +383,14 @@ def schedule_kwargs(args) -> dict:
 
 
 def _reduce_losses(losses_reduced) -> Optional[torch.Tensor]:
-    """[loss sum, token count] over microbatches and DP ranks (last pipeline stage only)."""
+    """[loss sum, token count] over microbatches and DP x CP ranks (last pipeline stage only)."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     total = torch.stack([d["lm loss"].view(-1) for d in losses_reduced]).sum(0)
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group(
+        with_context_parallel=True))
     return total
 
 
@@ -485,8 +508,9 @@ def _run(args, started: Optional[float] = None) -> Dict:
         f"> megatron_subq pretrain_gpt: variant {args.attention_variant} "
         f"(layers: {_layers_text(config)}), {n_params:,} parameters, vocab {vocab} "
         f"(tokenizer {tokenizer.vocab_size}), world {args.world_size} = TP "
-        f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x DP "
-        f"{args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
+        f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
+        f"{'CP %d x ' % args.context_parallel_size if args.context_parallel_size > 1 else ''}"
+        f"DP {args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {device_name}, "
         f"{flops_iter / 1e12:.3f} TFLOP per iteration")
     if args.reset_attention_mask:

@@ -23,7 +23,8 @@ import torch
 
 from ..attention import SubqCoreAttention
 from ..ops import asa_attention
-from ..ops.asa import ASA_NORMALIZE_MODES
+from ..ops.asa import ASA_NORMALIZE_MODES, asa_feature_maps
+from ..ops.dispatch import repeat_kv
 from ..parallel import head_sharded_parameter
 from .base import Variant, knob_error
 from .standard import self_attention_spec
@@ -53,11 +54,37 @@ class ASACoreAttention(SubqCoreAttention):
                                           tp_group=self.tp_group)
 
     def attend(self, q, k, v, cu_seqlens=None):
-        return asa_attention(q, k, v, self.p_q, self.p_k, normalize=self.config.asa_normalize,
+        return asa_attention(q, k, v, self.cp_heads(self.p_q), self.cp_heads(self.p_k),
+                             normalize=self.config.asa_normalize,
                              impl=self.config.subq_impl, cu_seqlens=cu_seqlens)
 
     def attend_packed(self, q, k, v, cu_seqlens):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the state restarts per document
+
+    def chunk_state(self, q, k, v):
+        """(S, z) = (Σ k'ᵀ v, Σ k') of this chunk alone, fp32: additive over chunks."""
+        _, k_feat = asa_feature_maps(q, k, self.p_q, self.p_k)  # [B, T, H, m]
+        vals = repeat_kv(v, q.shape[2]).to(k_feat.dtype)
+        return torch.einsum("bthm,bthd->bhmd", k_feat, vals), k_feat.sum(dim=1)
+
+    def attend_from_state(self, q, k, v, state):
+        """The chunk's own attention (the op from an empty state, kernel or reference) plus the
+        earlier tokens' state (S0, z0), in PyTorch: num = o·den_own + q' S0, then the
+        normalisation of ``asa_normalize`` over own and earlier tokens."""
+        s0, z0 = state
+        o = self.attend(q, k, v).float()
+        q_feat, k_feat = asa_feature_maps(q, k, self.p_q, self.p_k)
+        cross = torch.einsum("bthm,bhmd->bthd", q_feat, s0)
+        mode = self.config.asa_normalize
+        if mode == "none":
+            return (o + cross).to(q.dtype)
+        if mode == "linear":
+            own = (q_feat * k_feat.cumsum(dim=1)).sum(dim=-1)  # [B, T, H]
+            den = own + torch.einsum("bthm,bhm->bth", q_feat, z0)
+        else:  # "mean": own tokens 1..T after the z0.sum() earlier ones (k' sums to 1)
+            own = torch.arange(1, q.shape[1] + 1, device=q.device, dtype=o.dtype)[None, :, None]
+            den = own + z0.sum(dim=-1)[:, None, :]
+        return ((o * own.unsqueeze(-1) + cross) / den.unsqueeze(-1)).to(q.dtype)
 
 
 def attention_spec(config, layer_number: int, provider):
@@ -106,4 +133,6 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     resolve=resolve,
     core_flops=core_flops,
+    context_parallel="all_to_all",
+    state_passing=True,
 )

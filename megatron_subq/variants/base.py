@@ -70,8 +70,11 @@ class Variant:
     * ``fixed_input``: Q/K come from a fixed input carried as one extra batch row through the
       layers below (model.py); its FLOPs add one pass of that row per micro-batch.
     * ``qk_from_embeddings``: Q/K come from the batch's token embeddings (model.py's stream).
-    * ``context_parallel``: how it would run under CP: "none" (refused), "all_to_all" (heads
+    * ``context_parallel``: how it runs under CP: "none" (refused), "all_to_all" (heads
       exchanged for sequence), "state_passing" (a recurrent state handed between ranks).
+    * ``state_passing``: it also takes the state-passing CP path when the config asks for it
+      (``context_parallel_scheme="state_passing"``): its core implements ``chunk_state`` and
+      ``attend_from_state`` (an additive state: ``SubqCoreAttention`` sums it across ranks).
     * ``hosts``: the models it can sit in, from ("gpt", "hybrid").
     * ``own_input_norm``: it brings its own input norm (the host must not add one).
     * ``hf_param_map(config)``: {megatron parameter name: Hugging Face name} of its own
@@ -91,9 +94,19 @@ class Variant:
     fixed_input: bool = False
     qk_from_embeddings: bool = False
     context_parallel: str = "none"
+    state_passing: bool = False
     hosts: Tuple[str, ...] = HOSTS
     own_input_norm: bool = False
     hf_param_map: Callable[..., dict] = _no_params
+
+    def cp_mode(self, config) -> str:
+        """The context-parallel path of this variant's layers under ``config``: its own
+        (``context_parallel``), or state passing where the config asks for it
+        (``context_parallel_scheme``) and the variant offers it."""
+        if getattr(config, "context_parallel_scheme", None) == "state_passing" \
+                and self.state_passing:
+            return "state_passing"
+        return self.context_parallel
 
     def __post_init__(self):
         if self.context_parallel not in CONTEXT_PARALLEL_MODES:

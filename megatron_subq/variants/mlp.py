@@ -147,4 +147,5 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     derived_knobs=derived_knobs,
     core_flops=core_flops,
+    context_parallel="all_to_all",
 )

@@ -71,4 +71,5 @@ VARIANT = Variant(
     validate=validate,
     packed_sequences=True,
     core_flops=core_flops,
+    context_parallel="all_to_all",
 )

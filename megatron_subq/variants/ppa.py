@@ -69,4 +69,5 @@ VARIANT = Variant(
     knobs=("ppa_",),
     check_knobs=check_knobs,
     core_flops=core_flops,
+    context_parallel="all_to_all",
 )

@@ -173,9 +173,6 @@ def validate_qk_source_config(config, name: str) -> None:
                        "tp_comm_overlap"):
         if getattr(config, field_name, False):
             raise ValueError(f"{field_name}=True is invalid with {name} layers: allowed False")
-    if config.context_parallel_size != 1:
-        raise ValueError(f"context_parallel_size={config.context_parallel_size} is invalid with "
-                         f"{name} layers: allowed 1")
     if config.pipeline_model_parallel_size > 1:
         # The Q/K streams ride along the batch dimension of the hidden states, so the tensor sent
         # between pipeline stages is [s, b + extra, h] rather than the [s, b, h] the schedules

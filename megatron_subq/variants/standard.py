@@ -65,4 +65,5 @@ VARIANT = Variant(
     attention_spec=attention_spec,
     packed_sequences=True,
     core_flops=standard_core_flops,
+    context_parallel="all_to_all",
 )

@@ -26,7 +26,8 @@ column-parallel ``hidden -> H * D`` projection whose output heads line up with t
 * Init: ``config.init_method``, the scheme of the other query weights (the paper's choice).
 
 Not supported (clear errors): KV-cache inference through megatron's inference context, cross
-attention, attention bias, the output gate, the fused QKV RoPE, context parallelism.
+attention, attention bias, the output gate, the fused QKV RoPE. Context parallelism: the shared
+all-to-all path (``SubqCoreAttention``), the search queries riding along their query heads.
 """
 
 from __future__ import annotations
@@ -62,7 +63,10 @@ class SuperlinearCoreAttention(SubqCoreAttention):
 
     Its ``query`` carries the search queries after the query heads (``[.., 2·np, hn]``, as
     ``SuperlinearSelfAttention`` builds it); ``attend`` splits them. Packed sequences: the op
-    once per document (the default ``attend_packed``)."""
+    once per document (the default ``attend_packed``). Under context parallelism the search
+    queries stay with their query heads (``query_head_stacks = 2``)."""
+
+    query_head_stacks = 2
 
     def __init__(self, config, layer_number, *args, **kwargs):
         super().__init__(config, layer_number, *args, **kwargs)
@@ -233,4 +237,5 @@ VARIANT = Variant(
     knobs=("superlinear_",),
     check_knobs=check_knobs,
     core_flops=core_flops,
+    context_parallel="all_to_all",
 )
