@@ -209,7 +209,11 @@ def test_plan_text_output_names_the_lines_that_matter(capsys):
      ["--pp (--pipeline-model-parallel-size) 5 does not divide --num-layers 24"]),
     (["--nodes", "3"],
      ["--global-batch-size 1024 is not divisible by --micro-batch-size 8 x data-parallel size 24"]),
-    (["--nodes", "1", "--cp", "2"], ["--cp 2: the trainer runs no context parallelism"]),
+    (["--nodes", "1", "--cp", "3"],
+     ["--seq-length 2048 is not divisible by 2 x --cp 3", "is not divisible by --tp 1 x --pp 1 "
+      "x --cp 3"]),
+    (["--nodes", "1", "--cp", "2", "--attention-variant", "sas"],
+     ["--cp (--context-parallel-size) 2: variant(s) sas have no context-parallel path"]),
     (["--nodes", "1", "--micro-batch-size", "64", "--no-use-distributed-optimizer",
       "--no-overlap-param-gather"],
      ["memory: ", "exceeds the H100's 79.1 GiB", "--micro-batch-size 64",
@@ -324,3 +328,16 @@ def test_a_command_line_data_source_replaces_the_recipes():
     with pytest.raises(SystemExit):  # without the override the recipe's blend file must exist
         arguments.parse_args(["--config", _recipe("asa-1.3b-100b"), "--tokenizer-type",
                               "NullTokenizer", "--vocab-size", "32000"], world_size=8)
+
+
+def test_context_parallelism_splits_the_sequence_and_the_optimizer():
+    """--cp 2 on 8 GPUs: DP 4, each rank holds half of every sequence's activations and logits,
+    and the distributed optimizer shards over DP x CP = 8 as at DP 8 without CP."""
+    one = plan.plan_run(_recipe("transformer-pp-1.3b-100b"), nodes=1, micro_batch_size=4)
+    two = plan.plan_run(_recipe("transformer-pp-1.3b-100b"), nodes=1, micro_batch_size=4, cp=2)
+    assert two.args.context_parallel_size == 2 and two.args.data_parallel_size == 4
+    for key in ("activations", "logits", "transients"):
+        assert two.memory[key] == pytest.approx(one.memory[key] / 2)
+    for key in ("parameters", "gradients", "optimizer"):
+        assert two.memory[key] == pytest.approx(one.memory[key])
+    assert two.to_dict()["layout"]["cp"] == 2

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=None,
                    help="--pipeline-model-parallel-size override")
     p.add_argument("--cp", type=int, default=1,
-                   help="context parallelism (the trainer has none yet: only 1 is accepted)")
+                   help="--context-parallel-size override (the sequence split over N GPUs)")
     p.add_argument("--ep", type=int, default=None, help="--expert-model-parallel-size override")
     p.add_argument("--micro-batch-size", type=int, default=None)
     p.add_argument("--throughput-file", default=THROUGHPUT_FILE)

@@ -27,7 +27,8 @@ not exist yet) and on ``SubqTransformerConfig``; no process group, model or tens
   times a scaling efficiency that the output states. No row: no time, and the output says so.
 
 Bad layouts (TP not dividing heads, query groups or the FFN width, PP not dividing layers, GPUs not
-divisible by TP x PP x CP, a global batch not divisible by micro-batch x DP, context parallelism,
+divisible by TP x PP x CP, a global batch not divisible by micro-batch x DP, context parallelism
+where a layer has no CP path,
 memory over the GPU's) are collected as ``PlanError`` messages naming the flags.
 """
 
@@ -103,11 +104,12 @@ def _raising_parser():
 
 
 def trainer_argv(config: str, tp=None, pp=None, micro_batch_size=None, ep=None,
-                 extra: Sequence[str] = ()) -> List[str]:
+                 extra: Sequence[str] = (), cp=None) -> List[str]:
     """The trainer command line the plan is for: ``--config FILE`` and the layout overrides."""
     argv = ["--config", config]
     for flag, value in (("--tensor-model-parallel-size", tp),
                         ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp),
                         ("--expert-model-parallel-size", ep),
                         ("--micro-batch-size", micro_batch_size)):
         if value is not None:
@@ -133,7 +135,7 @@ def raw_args(argv: Sequence[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> List[str]:
+def layout_problems(args: argparse.Namespace, world_size: int) -> List[str]:
     """Every layout problem of ``args`` (parsed, not yet validated) on ``world_size`` GPUs, each
     naming the flags; [] when the layout is sound. The trainer's ``validate_args`` checks the
     same at start-up (one at a time); this lists them all at once."""
@@ -141,6 +143,7 @@ def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> L
 
     out = []
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    cp = args.context_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size or tp
     for flag, value in (("--tp (--tensor-model-parallel-size)", tp),
@@ -157,10 +160,16 @@ def layout_problems(args: argparse.Namespace, world_size: int, cp: int = 1) -> L
         layers = _layer_names(args)
         names = sorted({n for n in layers if n} - {"mlp"})
         refused = [n for n in names if n in VARIANTS and VARIANTS[n].context_parallel == "none"]
-        out.append(f"--cp {cp}: the trainer runs no context parallelism (it has no "
-                   "--context-parallel-size; " + (f"variant(s) {', '.join(refused)} have "
-                                                  "Variant.context_parallel='none'; "
-                                                  if refused else "") + "allowed: --cp 1)")
+        if refused:
+            out.append(f"--cp (--context-parallel-size) {cp}: variant(s) {', '.join(refused)} "
+                       "have no context-parallel path (Variant.context_parallel='none'); "
+                       "allowed: --cp 1")
+        if args.hybrid_override_pattern:
+            out.append(f"--cp (--context-parallel-size) {cp}: the hybrid host's Mamba-2 layers "
+                       "have no context-parallel path yet; allowed: --cp 1")
+        if args.seq_length and args.seq_length % (2 * cp):
+            out.append(f"--seq-length {args.seq_length} is not divisible by 2 x --cp {cp} "
+                       "(megatron's zig-zag split: 2 chunks per CP rank)")
     heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
     if heads and heads % tp:
         out.append(f"--tp (--tensor-model-parallel-size) {tp} does not divide "
@@ -208,14 +217,14 @@ def _layer_names(args) -> List[Optional[str]]:
         return [args.attention_variant] * (args.num_layers or 0)
 
 
-def resolve(argv: Sequence[str], world_size: int, cp: int = 1):
+def resolve(argv: Sequence[str], world_size: int):
     """(validated trainer args, SubqTransformerConfig, notes printed while validating).
     Raises PlanError listing every layout problem, or the trainer's first error."""
     from . import arguments  # noqa: PLC0415
     from .trainer import build_config  # noqa: PLC0415
 
     raw = raw_args(argv)
-    problems = layout_problems(raw, world_size, cp)
+    problems = layout_problems(raw, world_size)
     if problems:
         raise PlanError(problems)
     notes = io.StringIO()
@@ -475,8 +484,9 @@ def activation_elements(cfg, index: int) -> Tuple[float, float, float]:
 
 def activation_bytes(args, cfg, layers: range, microbatches_in_flight: int,
                      last_stage: bool) -> Dict[str, float]:
-    """Activation bytes of one pipeline stage holding ``layers``."""
-    s, b = args.seq_length, args.micro_batch_size
+    """Activation bytes of one pipeline stage holding ``layers`` (a CP rank holds seq / CP
+    tokens of every tensor: the all-to-all path's head-sharded full sequence is as large)."""
+    s, b = args.seq_length // args.context_parallel_size, args.micro_batch_size
     tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
     sb = s * b
 
@@ -606,7 +616,7 @@ class Plan:
                       "untied_embeddings": a.untie_embeddings_and_output_weights},
             "parameters": self.params, "active_parameters": self.active_params,
             "layout": {"tp": a.tensor_model_parallel_size, "pp": a.pipeline_model_parallel_size,
-                       "cp": 1, "ep": a.expert_model_parallel_size,
+                       "cp": a.context_parallel_size, "ep": a.expert_model_parallel_size,
                        "dp": a.data_parallel_size, "sequence_parallel": a.sequence_parallel,
                        "micro_batch_size": a.micro_batch_size,
                        "global_batch_size": a.global_batch_size,
@@ -667,8 +677,9 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
         raise PlanError([f"--nodes {nodes} and --gpus-per-node {gpus_per_node} must be >= 1"])
     device = GPUS[gpu]
     world = nodes * gpus_per_node
-    argv = trainer_argv(config, tp, pp, micro_batch_size, ep, extra)
-    args, cfg, notes = resolve(argv, world, cp)
+    argv = trainer_argv(config, tp, pp, micro_batch_size, ep, extra,
+                        cp=cp if cp != 1 else None)
+    args, cfg, notes = resolve(argv, world)
     from .tokenizer import padded_vocab_size  # noqa: PLC0415
 
     tokenizer_vocab = _vocab(args)
@@ -704,8 +715,9 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
         dense = p.sharded / tp_ + p.replicated
         experts = p.experts / (ep_ * etp)
         n = dense + experts
-        opt = o_bytes * (dense / dp + experts / expert_dp if args.use_distributed_optimizer
-                         else n)
+        cp_ = args.context_parallel_size  # megatron's distributed optimizer shards over DP x CP
+        opt = o_bytes * (dense / (dp * cp_) + experts / expert_dp
+                         if args.use_distributed_optimizer else n)
         in_flight = min(pp_ - s, n_micro) if pp_ > 1 else 1
         act = activation_bytes(args, cfg, layers, in_flight, s == len(stages) - 1)
         memory = {"parameters": w_bytes * n, "gradients": g_bytes * n, "optimizer": opt,
@@ -722,7 +734,8 @@ def plan_run(config: str, nodes: int, gpus_per_node: int = 8, gpu: str = "H100",
     if total_gib > device.memory_gib:
         problems.append(
             f"memory: {total_gib:.1f} GiB per GPU (PP stage {stage}) exceeds the {device.name}'s "
-            f"{device.memory_gib} GiB: raise --tp/--pp, lower --micro-batch-size "
+            f"{device.memory_gib} GiB: raise --tp/--pp (or --cp, long sequences), lower "
+            "--micro-batch-size "
             f"{args.micro_batch_size}, or recompute activations (--recompute-activations, "
             "--recompute-granularity full)"
             + ("" if args.use_distributed_optimizer else ", or --use-distributed-optimizer"))
@@ -790,7 +803,7 @@ def format_plan(plan: Plan) -> str:
         + (f", active per token {plan.active_params:,} ({plan.active_params / 1e9:.3f}B)"
            if plan.active_params is not None else ""),
         f"layout       TP {a.tensor_model_parallel_size} x PP {a.pipeline_model_parallel_size} "
-        f"x CP 1 x DP {a.data_parallel_size} (EP {a.expert_model_parallel_size})"
+        f"x CP {a.context_parallel_size} x DP {a.data_parallel_size} (EP {a.expert_model_parallel_size})"
         f"{' + SP' if a.sequence_parallel else ''}; micro-batch {a.micro_batch_size}, global "
         f"batch {a.global_batch_size} = {n_micro} micro-batch(es) per DP rank per iteration; "
         "checks: "
@@ -803,7 +816,9 @@ def format_plan(plan: Plan) -> str:
         "parameters": "parameters (bf16)" if a.bf16 or a.fp16 else "parameters (fp32)",
         "gradients": "gradients (fp32 buffers)",
         "optimizer": ("optimizer (fp32 main + Adam m, v; distributed over DP "
-                      f"{a.data_parallel_size})" if a.use_distributed_optimizer
+                      f"{a.data_parallel_size}"
+                      + (f" x CP {a.context_parallel_size})" if a.context_parallel_size > 1
+                         else ")") if a.use_distributed_optimizer
                       else "optimizer (fp32 main + Adam m, v; not distributed)"),
         "activations": "activations (Korthikanti et al. 2022, see docs/training.md)",
         "logits": "logits + fp32 softmax (last stage)",
