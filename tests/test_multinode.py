@@ -32,19 +32,10 @@ ITERS, SAVE_EVERY = 9, 3
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """The tiny recipe (TP=2, 2 micro-batches per DP rank) and the data it reads."""
-    from test_trainer import HAVE_MISTRAL
-
-    from test_preprocess import corpus_texts, train_tiny_sentencepiece
-    from test_trainer import CORPUS
-    from tools import preprocess_data
+    from test_trainer import corpus_slice
 
     work = tmp_path_factory.mktemp("multinode")
-    model = "mistral" if HAVE_MISTRAL else train_tiny_sentencepiece(
-        str(work), [t[:20000] for t in corpus_texts(20)])
-    out = preprocess_data.main(["--input", CORPUS, "--max-documents", "60", "--output-prefix",
-                                str(work / "docs"), "--tokenizer-type",
-                                "GPTSentencePieceTokenizer", "--tokenizer-model", model,
-                                "--workers", "2", "--no-progress"])
+    out, model = corpus_slice(work, 60)
     recipe = work / "tiny-2node.yaml"
     recipe.write_text("\n".join([
         "num-layers: 2", "hidden-size: 64", "num-attention-heads: 4", "num-query-groups: 2",

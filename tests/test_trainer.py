@@ -63,22 +63,30 @@ def _metrics(path):
     return train, valid
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A slice of the real corpus preprocessed with the Mistral tokenizer (or a tiny
-    SentencePiece model trained here when mistral-common is missing)."""
+def corpus_slice(work, documents: int):
+    """The first ``documents`` of the real corpus preprocessed into ``work/docs`` with the
+    Mistral tokenizer (or a tiny SentencePiece model trained here when mistral-common is
+    missing). Returns (preprocess_data's summary, the tokenizer model)."""
     from test_preprocess import corpus_texts, train_tiny_sentencepiece
 
     from tools import preprocess_data
 
     assert os.path.isfile(CORPUS), f"the corpus is missing: {CORPUS}"
-    work = tmp_path_factory.mktemp("trainer")
     model = "mistral" if HAVE_MISTRAL else train_tiny_sentencepiece(
         str(work), [t[:20000] for t in corpus_texts(20)])
-    out = preprocess_data.main(["--input", CORPUS, "--max-documents", "120", "--output-prefix",
-                                str(work / "docs"), "--tokenizer-type",
+    out = preprocess_data.main(["--input", CORPUS, "--max-documents", str(documents),
+                                "--output-prefix", str(work / "docs"), "--tokenizer-type",
                                 "GPTSentencePieceTokenizer", "--tokenizer-model", model,
                                 "--workers", "2", "--no-progress"])
+    return out, model
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A slice of the real corpus preprocessed with the Mistral tokenizer (or a tiny
+    SentencePiece model trained here when mistral-common is missing)."""
+    work = tmp_path_factory.mktemp("trainer")
+    out, model = corpus_slice(work, 120)
     heldout = work / "heldout.jsonl"
     import lzma
 

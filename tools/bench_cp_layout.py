@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from unittest import mock
 
@@ -27,24 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-
-def _time(fn, repeats: int, queue_full: bool) -> float:
-    """Median ms of ``fn``. ``queue_full``: the GPU first sleeps while the host enqueues ``fn``,
-    so launch and host overhead are hidden (the device's own time); else as it runs eagerly."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queue_full:
-            torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time to enqueue behind
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from tools.gpu_timing import median_ms  # noqa: E402
 
 
 def _op(variant, heads, d, seq, dev):
@@ -99,8 +81,8 @@ def main(argv=None) -> int:
         with mock.patch.object(attention, "get_pg_size", lambda group, cp=cp: cp), \
                 mock.patch.object(attention._AllToAll, "apply",
                                   staticmethod(lambda x, group: x.contiguous().clone())):
-            layout_ms = _time(layout, a.repeats, True)
-            layout_eager = _time(layout, a.repeats, False)
+            layout_ms = median_ms(layout, repeat=a.repeats, queue_full=True)
+            layout_eager = median_ms(layout, repeat=a.repeats)
         for variant in a.variants:
             fn, inputs = _op(variant, a.heads // cp, a.head_dim, a.seq, dev)
 
@@ -108,7 +90,8 @@ def main(argv=None) -> int:
                 out = fn()
                 out.backward(torch.ones_like(out))
 
-            op_ms, op_eager = _time(op, a.repeats, True), _time(op, a.repeats, False)
+            op_ms, op_eager = (median_ms(op, repeat=a.repeats, queue_full=True),
+                                median_ms(op, repeat=a.repeats))
             rows.append({"cp": cp, "variant": variant, "seq": a.seq,
                          "heads_after_split": a.heads // cp, "head_dim": a.head_dim,
                          "layout_ms": round(layout_ms, 3), "op_ms": round(op_ms, 3),

@@ -17,26 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-
-def _time(fn, warmup: int, repeat: int) -> float:
-    import torch  # noqa: PLC0415
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from tools.gpu_timing import median_ms  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -87,9 +72,9 @@ def main(argv=None) -> int:
                 out.float().square().mean().backward()
 
             torch.cuda.reset_peak_memory_stats()
-            ms = _time(group, args.warmup, args.repeat)
+            ms = median_ms(group, args.warmup, args.repeat)
             peak = torch.cuda.max_memory_allocated() / 2**30
-            ms_attn = _time(attention_only, args.warmup, args.repeat) if attention else 0.0
+            ms_attn = median_ms(attention_only, args.warmup, args.repeat) if attention else 0.0
             row = dict(variant=variant, seq=L, group_ms=ms, attention_ms=ms_attn,
                        peak_gib=peak, mixer=mixer, pattern=args.pattern)
             results.append(row)
