@@ -269,25 +269,14 @@ def _init_worker(args, queue=None, child: bool = False) -> None:
     from megatron_subq.training.tokenizer import build_tokenizer  # noqa: PLC0415
 
     if child:  # a pool worker: dies with the parent (a killed run leaves no writer behind)
-        _die_with_parent()
+        from megatron_subq.training.processes import die_with_parent  # noqa: PLC0415
+
+        die_with_parent()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C
     if queue is not None:
         _REPORT = queue.put
     _ARGS = args
     _TOKENIZER = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when its parent dies (best effort elsewhere)."""
-    parent = os.getppid()
-    try:
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl
-        os._exit(1)
 
 
 # ------------------------------------------------------------------------------------------------
