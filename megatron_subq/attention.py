@@ -90,9 +90,16 @@ class SubqCoreAttention(MegatronModule):
 
     def chunk_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """State passing (variants with ``Variant.state_passing``): the recurrent state that
-        the tokens of ``q/k/v`` ``[B, T, H, D]`` alone leave, as a tuple of tensors. It must be
-        additive: the state after several chunks is the sum of theirs."""
+        the tokens of ``q/k/v`` ``[B, T, H, D]`` alone leave, as a tuple of tensors, combined
+        over chunks by ``states_before`` (a sum unless the variant says otherwise)."""
         raise NotImplementedError
+
+    def states_before(self, chunks: tuple) -> tuple:
+        """State passing: from every chunk's own state in sequence order (each tensor of
+        ``chunk_state`` stacked: ``[n, ...]``), the state entering each chunk (``[n, ...]``, the
+        first empty). Default: additive states, an exclusive prefix sum; a variant whose state
+        combines otherwise (a running maximum) overrides it."""
+        return tuple(torch.cat([torch.zeros_like(c[:1]), c[:-1].cumsum(0)]) for c in chunks)
 
     def attend_from_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           state: tuple) -> torch.Tensor:
@@ -167,19 +174,18 @@ class SubqCoreAttention(MegatronModule):
         """This rank's two zig-zag chunks ``[b, s/cp, h, d]``, each attended after the summed
         states of the chunks before it in the sequence: the chunk states are all-gathered over
         the CP group (an autograd all-gather: the gradient of each rank's states comes back to
-        it), put in sequence order and prefix-summed."""
+        it), put in sequence order and combined by ``states_before``."""
         c = q.shape[1] // 2
         halves = [(q[:, :c], k[:, :c], v[:, :c]), (q[:, c:], k[:, c:], v[:, c:])]
         own = [self.chunk_state(*half) for half in halves]
         order = zigzag_chunks(self.cp_size)  # position 2r + half holds chunk order[2r + half]
         natural = [order.index(j) for j in range(2 * self.cp_size)]
-        before = []
+        in_order = []
         for parts in zip(*own):  # one state tensor: [2, ...] here -> [cp, 2, ...] gathered
             gathered = _AllGather.apply(torch.stack(parts), self.cp_group)
             gathered = gathered.reshape(2 * self.cp_size, *parts[0].shape)
-            chunks = torch.stack([gathered[i] for i in natural])
-            prefix = torch.cat([torch.zeros_like(chunks[:1]), chunks[:-1].cumsum(0)])
-            before.append(prefix)
+            in_order.append(torch.stack([gathered[i] for i in natural]))
+        before = self.states_before(tuple(in_order))
         outs = []
         for half, (qh, kh, vh) in enumerate(halves):
             j = order[2 * self.cp_rank + half]

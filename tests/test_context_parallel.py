@@ -33,7 +33,10 @@ CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
     # state passing instead of the all-to-all, each normalisation
     (f"asa-state-passing-{mode}", {**variant_test_settings("asa"), "asa_normalize": mode,
                                    "context_parallel_scheme": "state_passing"})
-    for mode in ("linear", "mean", "none")]
+    for mode in ("linear", "mean", "none")] + [
+    (f"{name}-state-passing", {**variant_test_settings(name),
+                                "context_parallel_scheme": "state_passing"})
+    for name in ("approx", "nonapprox")]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 
 TRAINER = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -154,7 +157,7 @@ def test_cp2_tp2_equals_tp1():
      "num_query_groups=3 per tensor-parallel rank 3: allowed a divisor or a multiple"),
     ({"context_parallel_scheme": "ring"}, "context_parallel_scheme='ring' is invalid"),
     ({"context_parallel_scheme": "state_passing"},
-     "no layer's variant takes state passing (those that do: ['asa'])"),
+     "no layer's variant takes state passing (those that do: ['approx', 'asa', 'nonapprox'])"),
 ], ids=["sas", "qk-source", "mixed-pattern", "hybrid", "heads", "kv-heads", "scheme",
         "no-state-passing"])
 def test_config_refuses_what_has_no_cp_path(kwargs, needle):
@@ -201,7 +204,8 @@ def test_capabilities():
     assert CP_VARIANTS == ["approx", "asa", "mlp", "nonapprox", "ppa", "standard", "superlinear"]
     refused = sorted(n for n, v in VARIANTS.items() if v.context_parallel == "none")
     assert refused == ["fixed_seq_qk", "rnd_emb_qk", "sas", "static_emb_qk"]
-    assert sorted(n for n, v in VARIANTS.items() if v.state_passing) == ["asa"]
+    assert sorted(n for n, v in VARIANTS.items() if v.state_passing) == ["approx", "asa",
+                                                                         "nonapprox"]
 
 
 def test_state_passing_is_a_trainer_flag():

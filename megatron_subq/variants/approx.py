@@ -6,13 +6,17 @@ projection, RoPE, GQA, row-parallel output) with ``ApproxCoreAttention``, which 
 RoPE is kept: the variant approximates ``softmax(QK^T/sqrt(d_h))`` of the standard layer, whose Q
 and K are rotated; a per-position rotation of q and k leaves the linear-attention form intact.
 No parameters of its own, no communication of its own: the recurrence runs along the sequence
-inside one head, and TP shards heads.
+inside one head, and TP shards heads. Under context parallelism it takes the all-to-all or state
+passing (its sums are additive: ``chunk_state`` / ``attend_from_state``).
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..attention import SubqCoreAttention
 from ..ops import approx_attention
+from ..ops.approx import ApproxState, _phi2, _prescale, approx_attention_chunked
 from .base import Variant
 from .standard import self_attention_spec
 
@@ -28,6 +32,23 @@ class ApproxCoreAttention(SubqCoreAttention):
 
     def attend(self, q, k, v):
         return approx_attention(q, k, v, impl=self.config.subq_impl)
+
+    def chunk_state(self, q, k, v):
+        """The running sums these tokens alone leave (``ApproxState``'s tensors, per key/value
+        head, accumulation dtype) and their count: all additive over chunks."""
+        ks = _prescale(k)
+        vf = v.to(ks.dtype)
+        k2 = _phi2(ks)
+        count = torch.full((), float(k.shape[1]), dtype=ks.dtype, device=k.device)
+        return (vf.sum(1), ks.sum(1), k2.sum(1), torch.einsum("bthd,bthe->bhde", ks, vf),
+                torch.einsum("bthd,bthe->bhde", k2, vf), count)
+
+    def attend_from_state(self, q, k, v, state):
+        """The chunk continuing from the earlier tokens' summed state: the chunked PyTorch form
+        (``ops.approx_attention_chunked``; the kernel returns no gradient for a starting
+        state), whose mean term counts from ``state``'s token count."""
+        *sums, count = state
+        return approx_attention_chunked(q, k, v, state=ApproxState(*sums, length=count))[0]
 
 
 def attention_spec(config, layer_number: int, provider):
@@ -55,4 +76,5 @@ VARIANT = Variant(
     packed_sequences=True,
     core_flops=core_flops,
     context_parallel="all_to_all",
+    state_passing=True,
 )

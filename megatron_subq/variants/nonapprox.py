@@ -9,17 +9,22 @@ No RoPE: there is no pairwise q_i.k_j for a relative position to enter, and q_j,
 same token — rotating both by the same angle would cancel in a plain dot product and, through the
 SiLU, only inject an absolute-position perturbation the paper does not have (its Eq. 8 is
 ``Q = SiLU(H W^Q)``, ``K, V = H W^{K,V}``). ``NoRopeSelfAttention`` drops the rotary embedding that
-the layer passes. No parameters or communication of its own (TP shards heads).
+the layer passes. No parameters or communication of its own (TP shards heads). Under context
+parallelism: the all-to-all, or state passing (its running softmax merges across chunks:
+``states_before``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import torch
 from megatron.core.transformer.attention import SelfAttention
 
 from ..attention import SubqCoreAttention
 from ..ops import nonapprox_attention
+from ..ops.dispatch import repeat_kv
+from ..ops.nonapprox import NonapproxState, nonapprox_attention_chunked, token_scores
 from .base import Variant
 from .standard import self_attention_spec
 
@@ -35,6 +40,38 @@ class NonapproxCoreAttention(SubqCoreAttention):
 
     def attend(self, q, k, v):
         return nonapprox_attention(q, k, v, impl=self.config.subq_impl)
+
+    def chunk_state(self, q, k, v):
+        """These tokens' running softmax alone, per query head: (num, den) relative to their
+        own maximum score, and that maximum (``NonapproxState``'s tensors)."""
+        s = token_scores(q, k)  # [B, T, H], accumulation dtype
+        top = s.max(dim=1).values  # [B, H]
+        w = torch.exp(s - top.unsqueeze(1))
+        vals = repeat_kv(v, q.shape[2]).to(s.dtype)
+        return torch.einsum("bth,bthd->bhd", w, vals), w.sum(dim=1), top
+
+    def states_before(self, chunks):
+        """The online-softmax merge instead of a sum: running (num, den, max) through the
+        chunks in order, each sum rescaled to the larger maximum (the first chunk starts from
+        the empty state, max -inf)."""
+        nums, dens, tops = chunks
+        num, den = torch.zeros_like(nums[0]), torch.zeros_like(dens[0])
+        top = torch.full_like(tops[0], float("-inf"))
+        before = ([], [], [])
+        for i in range(nums.shape[0]):
+            for acc, value in zip(before, (num, den, top)):
+                acc.append(value)
+            new_top = torch.maximum(top, tops[i])
+            old, own = torch.exp(top - new_top), torch.exp(tops[i] - new_top)
+            num = num * old.unsqueeze(-1) + nums[i] * own.unsqueeze(-1)
+            den, top = den * old + dens[i] * own, new_top
+        return tuple(torch.stack(acc) for acc in before)
+
+    def attend_from_state(self, q, k, v, state):
+        """The chunk continuing the earlier tokens' running softmax: the chunked PyTorch form
+        (``ops.nonapprox_attention_chunked``; the kernel returns no gradient for a starting
+        state)."""
+        return nonapprox_attention_chunked(q, k, v, state=NonapproxState(*state))[0]
 
 
 class NoRopeSelfAttention(SelfAttention):
@@ -72,4 +109,5 @@ VARIANT = Variant(
     packed_sequences=True,
     core_flops=core_flops,
     context_parallel="all_to_all",
+    state_passing=True,
 )
