@@ -362,6 +362,7 @@ def hybrid_cp_step(pattern: str, slots: List[str], batch: int = 2, seq: int = 32
     CP ranks' gradients are summed (what megatron's DP x CP gradient reduction does). Returns
     the per-token loss [b, s] in natural order, every parameter's gradient (the same at any CP
     size) and ``cp_mixers``: how many ``SubqMambaMixer`` took the context-parallel path."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
     from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
 
     from ..attention import zigzag_chunks  # noqa: PLC0415
@@ -382,8 +383,15 @@ def hybrid_cp_step(pattern: str, slots: List[str], batch: int = 2, seq: int = 32
     tokens, labels, pos = make_batch(vocab, batch, seq, data_seed)
     local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels,
                                        "position_ids": pos}, cp_group)
-    loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
-    (loss.sum() / (batch * seq)).backward()
+    # the MoE aux loss's backward scale is class state that megatron's schedules also set: 1 here
+    # (as at any CP size outside a schedule), the caller's value restored afterwards
+    kept = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:
+        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        (loss.sum() / (batch * seq)).backward()
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = kept
     grads = {}
     for pname, p in model.named_parameters():
         if p.grad is not None:
