@@ -260,14 +260,14 @@ class SubqMambaMixer(MegatronModule):
         cp = get_pg_size(getattr(self.pg_collection, "cp", None))
         heads_tp, groups_tp = nheads // tp, self.ngroups // tp
         if cp > 1 and heads_tp % cp:
-            bad("context_parallel_size (--context-parallel-size)", cp,
-                f"a divisor of the Mamba heads per tensor-parallel rank ({nheads} / {tp} = "
-                f"{heads_tp}): each CP rank scans a share of them")
+            bad("context_parallel_size", cp,
+                f"(--context-parallel-size) a divisor of the Mamba heads per tensor-parallel "
+                f"rank ({nheads} / {tp} = {heads_tp}): each CP rank scans a share of them")
         if cp > 1 and groups_tp % cp and cp % groups_tp:
-            bad("context_parallel_size (--context-parallel-size)", cp,
-                f"a divisor or a multiple of the Mamba groups per tensor-parallel rank "
-                f"(mamba_num_groups={self.ngroups} / {tp} = {groups_tp}): groups are split or "
-                "replicated over CP")
+            bad("context_parallel_size", cp,
+                f"(--context-parallel-size) a divisor or a multiple of the Mamba groups per "
+                f"tensor-parallel rank (mamba_num_groups={self.ngroups} / {tp} = {groups_tp}): "
+                "groups are split or replicated over CP")
         if bias:
             bad("bias", bias, "False (as megatron's MambaMixer)")
         if self.norm_before_gate:
