@@ -125,8 +125,8 @@ def test_hybrid_cp2_equals_cp1(results, name):
     """The hybrid host at CP=2 (Mamba-2 layers through the head all-to-all, attention through
     the variant's CP path, MoE per token): CP=1's loss and every parameter's gradient."""
     for rank, r in enumerate(results["ranks"]):
-        ref = _get(r["hybrid"][name][1], f"{name} at CP=1, rank {rank}")
-        got = _get(r["hybrid"][name][2], f"{name} at CP=2, rank {rank}")
+        ref = _get(r["hybrid"][name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
+        got = _get(r["hybrid"][name][(2, 1, False)], f"{name} at CP=2, rank {rank}")
         assert got["cp_mixers"] > 0, "no Mamba layer took the context-parallel path"
         assert ref["cp_mixers"] == 0
         _assert_matches(got, ref, "standard", f"{name} CP=2 rank {rank}")
@@ -153,6 +153,25 @@ def cp_tp_suite(cases):
         out[f"trainer_cp2_{name}"] = pretrain(TRAINER + extra + ["--eval-iters", "0",
                                                                  "--context-parallel-size", "2"])
     return out
+
+
+def hybrid_cp_tp_suite():
+    from megatron_subq.testing.hybrid import hybrid_cp_suite
+
+    return hybrid_cp_suite(HYBRID_CASES[:1], [(1, 1, False), (2, 2, True)])
+
+
+@pytest.mark.slow
+def test_hybrid_cp2_tp2_sp_equals_cp1():
+    """The hybrid host at CP=2 x TP=2 + SP in a world of four (Mamba heads 8 / TP 2 / CP 2;
+    its 2 groups, one per TP rank, replicated over CP): CP=1's loss and gradients."""
+    ranks = run_distributed(hybrid_cp_tp_suite, 4)
+    name = HYBRID_CASES[0][0]
+    for rank, r in enumerate(ranks):
+        ref = _get(r[name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
+        got = _get(r[name][(2, 2, True)], f"{name} at CP=2 x TP=2 + SP, rank {rank}")
+        assert got["cp_mixers"] > 0
+        _assert_matches(got, ref, "standard", f"{name} CP=2 x TP=2 + SP rank {rank}")
 
 
 @pytest.mark.slow
