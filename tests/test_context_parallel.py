@@ -7,8 +7,8 @@ parameter's gradient within fp32 tolerance. Two process launches serve them all 
 for the references, a world of two for CP=2, which also runs the trainer at CP=2 and CP=1 and
 loads the CP=2 checkpoint at CP=1); CP=2 x TP=2 needs a world of four (marked slow). The
 hybrid host (Mamba-2 + attention + MoE, ``testing.hybrid.hybrid_cp_step``) rides in the world of
-two: CP=2 against CP=1 there, and its trainer at CP=2 against CP=1 (DP=2). The refusals run
-in-process.
+two: CP=2 against CP=1 there, and its trainer at CP=2 against CP=1 (DP=2); CP=2 x TP=2 + SP and
+the trainer with EP need a world of four (slow). The refusals run in-process.
 """
 
 import os
@@ -156,22 +156,39 @@ def cp_tp_suite(cases):
 
 
 def hybrid_cp_tp_suite():
+    """In a world of four: the hybrid case at CP=1 and CP=2 x TP=2 + SP; the hybrid trainer at
+    CP=2 combined with TP=2 + SP and with EP=2, each against the same without CP (more DP)."""
     from megatron_subq.testing.hybrid import hybrid_cp_suite
+    from megatron_subq.training import pretrain
 
-    return hybrid_cp_suite(HYBRID_CASES[:1], [(1, 1, False), (2, 2, True)])
+    out = {"layouts": hybrid_cp_suite(HYBRID_CASES[:1], [(1, 1, False), (2, 2, True)])}
+    base = TRAINER + HYBRID_TRAINER + ["--eval-iters", "0", "--global-batch-size", "8"]
+    for name, extra in (("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("ep2", ["--expert-model-parallel-size", "2"])):
+        out[f"trainer_{name}"] = pretrain(base + extra)
+        out[f"trainer_cp2_{name}"] = pretrain(base + extra + ["--context-parallel-size", "2"])
+    return out
 
 
 @pytest.mark.slow
 def test_hybrid_cp2_tp2_sp_equals_cp1():
     """The hybrid host at CP=2 x TP=2 + SP in a world of four (Mamba heads 8 / TP 2 / CP 2;
-    its 2 groups, one per TP rank, replicated over CP): CP=1's loss and gradients."""
+    its 2 groups, one per TP rank, replicated over CP): CP=1's loss and gradients. The trainer
+    combines CP with TP + SP and with EP (the same losses as without CP)."""
     ranks = run_distributed(hybrid_cp_tp_suite, 4)
     name = HYBRID_CASES[0][0]
     for rank, r in enumerate(ranks):
-        ref = _get(r[name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
-        got = _get(r[name][(2, 2, True)], f"{name} at CP=2 x TP=2 + SP, rank {rank}")
+        ref = _get(r["layouts"][name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
+        got = _get(r["layouts"][name][(2, 2, True)], f"{name} at CP=2 x TP=2 + SP, rank {rank}")
         assert got["cp_mixers"] > 0
         _assert_matches(got, ref, "standard", f"{name} CP=2 x TP=2 + SP rank {rank}")
+    last = ranks[-1]
+    for layout in ("tp2-sp", "ep2"):
+        ref = last[f"trainer_{layout}"]["iterations"]
+        got = last[f"trainer_cp2_{layout}"]["iterations"]
+        assert sorted(got) == sorted(ref) == [1, 2, 3], layout
+        for it in ref:
+            assert got[it] == pytest.approx(ref[it], rel=1e-5, abs=1e-5), (layout, it, got, ref)
 
 
 @pytest.mark.slow
