@@ -8,7 +8,7 @@ for the references, a world of two for CP=2, which also runs the trainer at CP=2
 loads the CP=2 checkpoint at CP=1); CP=2 x TP=2 needs a world of four (marked slow). The
 hybrid host (Mamba-2 + attention + MoE, ``testing.hybrid.hybrid_cp_step``) rides in the world of
 two: CP=2 against CP=1 there, and its trainer at CP=2 against CP=1 (DP=2); CP=2 x TP=2 + SP and
-the trainer with EP need a world of four (slow). The refusals run in-process.
+the trainer with EP and PP need a world of four (slow). The refusals run in-process.
 """
 
 import os
@@ -157,14 +157,16 @@ def cp_tp_suite(cases):
 
 def hybrid_cp_tp_suite():
     """In a world of four: the hybrid case at CP=1 and CP=2 x TP=2 + SP; the hybrid trainer at
-    CP=2 combined with TP=2 + SP and with EP=2, each against the same without CP (more DP)."""
+    CP=2 combined with TP=2 + SP, with EP=2 and with PP=2, each against the same without CP
+    (more DP)."""
     from megatron_subq.testing.hybrid import hybrid_cp_suite
     from megatron_subq.training import pretrain
 
     out = {"layouts": hybrid_cp_suite(HYBRID_CASES[:1], [(1, 1, False), (2, 2, True)])}
     base = TRAINER + HYBRID_TRAINER + ["--eval-iters", "0", "--global-batch-size", "8"]
     for name, extra in (("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                        ("ep2", ["--expert-model-parallel-size", "2"])):
+                        ("ep2", ["--expert-model-parallel-size", "2"]),
+                        ("pp2", ["--pipeline-model-parallel-size", "2"])):
         out[f"trainer_{name}"] = pretrain(base + extra)
         out[f"trainer_cp2_{name}"] = pretrain(base + extra + ["--context-parallel-size", "2"])
     return out
@@ -174,7 +176,7 @@ def hybrid_cp_tp_suite():
 def test_hybrid_cp2_tp2_sp_equals_cp1():
     """The hybrid host at CP=2 x TP=2 + SP in a world of four (Mamba heads 8 / TP 2 / CP 2;
     its 2 groups, one per TP rank, replicated over CP): CP=1's loss and gradients. The trainer
-    combines CP with TP + SP and with EP (the same losses as without CP)."""
+    combines CP with TP + SP, with EP and with PP (the same losses as without CP)."""
     ranks = run_distributed(hybrid_cp_tp_suite, 4)
     name = HYBRID_CASES[0][0]
     for rank, r in enumerate(ranks):
@@ -183,7 +185,7 @@ def test_hybrid_cp2_tp2_sp_equals_cp1():
         assert got["cp_mixers"] > 0
         _assert_matches(got, ref, "standard", f"{name} CP=2 x TP=2 + SP rank {rank}")
     last = ranks[-1]
-    for layout in ("tp2-sp", "ep2"):
+    for layout in ("tp2-sp", "ep2", "pp2"):
         ref = last[f"trainer_{layout}"]["iterations"]
         got = last[f"trainer_cp2_{layout}"]["iterations"]
         assert sorted(got) == sorted(ref) == [1, 2, 3], layout
