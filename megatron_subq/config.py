@@ -222,10 +222,31 @@ class SubqTransformerConfig(TransformerConfig):
             variant.validate(self)
         self._validate_context_parallel(used)
 
+    def _validate_mamba_context_parallel(self, cp: int) -> None:
+        """The hybrid host's Mamba-2 layers under CP (megatron's head all-to-all, also
+        ``SubqMambaMixer``'s): each CP rank scans a share of the TP rank's Mamba heads, and the
+        groups split over CP or are replicated."""
+        from .hybrid.flops import mamba_dims  # noqa: PLC0415
+
+        tp = self.tensor_model_parallel_size
+        nheads, _, ngroups, _, _ = mamba_dims(self)
+        heads, groups = nheads // tp, ngroups // tp
+        if heads % cp:
+            raise ValueError(
+                f"context_parallel_size={cp} is invalid with the hybrid host: allowed a divisor of "
+                f"the Mamba heads per tensor-parallel rank ({nheads} / tensor_model_parallel_size="
+                f"{tp} = {heads}; each CP rank scans a share of them)")
+        if groups and groups % cp and cp % groups:
+            raise ValueError(
+                f"context_parallel_size={cp} is invalid with the hybrid host: allowed a divisor or "
+                f"a multiple of the Mamba groups per tensor-parallel rank (mamba_num_groups="
+                f"{ngroups} / {tp} = {groups}; groups are split or replicated over CP)")
+
     def _validate_context_parallel(self, used) -> None:
         """Context parallelism (``context_parallel_size`` > 1) needs a CP path in every variant
-        in use (``Variant.context_parallel``), the GPT host, and heads that split over TP x CP
-        (the all-to-all path gives each CP rank a share of its TP rank's heads)."""
+        in use (``Variant.context_parallel``), and heads that split over TP x CP (the all-to-all
+        path gives each CP rank a share of its TP rank's heads; on the hybrid host the Mamba-2
+        heads too)."""
         cp = self.context_parallel_size
         scheme = self.context_parallel_scheme
         if scheme not in (None, "all_to_all", "state_passing"):
@@ -238,9 +259,8 @@ class SubqTransformerConfig(TransformerConfig):
                   f"do: {sorted(n for n, v in VARIANTS.items() if v.state_passing)})")
         if cp == 1:
             return
-        if self.is_hybrid:
-            _fail("context_parallel_size", cp, "1 with the hybrid host (hybrid_override_pattern): "
-                  "its Mamba-2 layers have no context-parallel path yet")
+        if self.is_hybrid and "M" in (self.hybrid_override_pattern or ""):
+            self._validate_mamba_context_parallel(cp)
         refused = sorted(v.name for v in used if v.context_parallel == "none")
         if refused:
             raise ValueError(

@@ -6,7 +6,9 @@ halves, ``testing.equivalence.tiny_gpt_cp_step``) gives TP=1's per-token loss an
 parameter's gradient within fp32 tolerance. Two process launches serve them all (a world of one
 for the references, a world of two for CP=2, which also runs the trainer at CP=2 and CP=1 and
 loads the CP=2 checkpoint at CP=1); CP=2 x TP=2 needs a world of four (marked slow). The
-refusals run in-process.
+hybrid host (Mamba-2 + attention + MoE, ``testing.hybrid.hybrid_cp_step``) rides in the world of
+two: CP=2 against CP=1 there, and its trainer at CP=2 against CP=1 (DP=2); CP=2 x TP=2 + SP and
+the trainer with EP and PP need a world of four (slow). The refusals run in-process.
 """
 
 import os
@@ -39,6 +41,14 @@ CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
     for name in ("approx", "nonapprox")]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 
+# the hybrid host: (name, pattern, attention slots, config overrides); Mamba groups split over
+# CP (2 groups) and replicated (1 group)
+HYBRID_CASES = [("hybrid", "M*M*E", ["standard", "superlinear"], {}),
+                ("hybrid-one-group", "M*E", ["standard"], {"mamba_num_groups": 1})]
+HYBRID_TRAINER = ["--is-hybrid-model", "--hybrid-override-pattern=M*E-", "--num-layers", "4",
+                  "--num-experts", "4", "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+                  "--mamba-state-dim", "16"]
+
 TRAINER = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
            "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2",
            "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style",
@@ -51,10 +61,16 @@ TRAINER = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", 
 def cp_suite(cases, save_dir):
     """In a world of two: every case at CP=2; the trainer at CP=2 (distributed optimizer, saving
     its last iteration), at CP=1 (DP=2: the same samples per step), and the CP=2 checkpoint
-    loaded at CP=1 for validation."""
+    loaded at CP=1 for validation; the hybrid cases at CP=1 and CP=2, and the hybrid trainer at
+    CP=2 and CP=1."""
+    from megatron_subq.testing.hybrid import hybrid_cp_suite
     from megatron_subq.training import pretrain
 
     out = {"layouts": every_case_every_layout(cases, ["cp2"])}
+    out["hybrid"] = hybrid_cp_suite(HYBRID_CASES)
+    hybrid = TRAINER + HYBRID_TRAINER + ["--eval-iters", "0"]
+    out["hybrid_trainer_cp2"] = pretrain(hybrid + ["--context-parallel-size", "2"])
+    out["hybrid_trainer_cp1"] = pretrain(hybrid)
     out["trainer_cp2"] = pretrain(TRAINER + ["--context-parallel-size", "2",
                                              "--use-distributed-optimizer", "--save", save_dir,
                                              "--save-interval", "3"])
@@ -107,6 +123,27 @@ def test_trainer_cp2_matches_cp1_and_its_checkpoint_loads_at_cp1(results):
     assert last["loaded_cp1"]["valid"][3] == pytest.approx(valid_cp2, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("name", [c[0] for c in HYBRID_CASES])
+def test_hybrid_cp2_equals_cp1(results, name):
+    """The hybrid host at CP=2 (Mamba-2 layers through the head all-to-all, attention through
+    the variant's CP path, MoE per token): CP=1's loss and every parameter's gradient."""
+    for rank, r in enumerate(results["ranks"]):
+        ref = _get(r["hybrid"][name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
+        got = _get(r["hybrid"][name][(2, 1, False)], f"{name} at CP=2, rank {rank}")
+        assert got["cp_mixers"] > 0, "no Mamba layer took the context-parallel path"
+        assert ref["cp_mixers"] == 0
+        _assert_matches(got, ref, "standard", f"{name} CP=2 rank {rank}")
+
+
+def test_hybrid_trainer_cp2_matches_cp1(results):
+    last = results["ranks"][-1]
+    cp2 = last["hybrid_trainer_cp2"]["iterations"]
+    cp1 = last["hybrid_trainer_cp1"]["iterations"]
+    assert sorted(cp2) == sorted(cp1) == [1, 2, 3]
+    for it in cp1:
+        assert cp2[it] == pytest.approx(cp1[it], rel=1e-5, abs=1e-5), (it, cp2, cp1)
+
+
 def cp_tp_suite(cases):
     """In a world of four: the cases at TP=1, CP=2 x TP=2 and CP=2 x TP=2 + SP; the trainer at
     CP=2 x TP=2 + SP against TP=2 + SP (DP=2), and at CP=2 x PP=2 against PP=2 (DP=2)."""
@@ -119,6 +156,44 @@ def cp_tp_suite(cases):
         out[f"trainer_cp2_{name}"] = pretrain(TRAINER + extra + ["--eval-iters", "0",
                                                                  "--context-parallel-size", "2"])
     return out
+
+
+def hybrid_cp_tp_suite():
+    """In a world of four: the hybrid case at CP=1 and CP=2 x TP=2 + SP; the hybrid trainer at
+    CP=2 combined with TP=2 + SP, with EP=2 and with PP=2, each against the same without CP
+    (more DP)."""
+    from megatron_subq.testing.hybrid import hybrid_cp_suite
+    from megatron_subq.training import pretrain
+
+    out = {"layouts": hybrid_cp_suite(HYBRID_CASES[:1], [(1, 1, False), (2, 2, True)])}
+    base = TRAINER + HYBRID_TRAINER + ["--eval-iters", "0", "--global-batch-size", "8"]
+    for name, extra in (("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                        ("ep2", ["--expert-model-parallel-size", "2"]),
+                        ("pp2", ["--pipeline-model-parallel-size", "2"])):
+        out[f"trainer_{name}"] = pretrain(base + extra)
+        out[f"trainer_cp2_{name}"] = pretrain(base + extra + ["--context-parallel-size", "2"])
+    return out
+
+
+@pytest.mark.slow
+def test_hybrid_cp2_tp2_sp_equals_cp1():
+    """The hybrid host at CP=2 x TP=2 + SP in a world of four (Mamba heads 8 / TP 2 / CP 2;
+    its 2 groups, one per TP rank, replicated over CP): CP=1's loss and gradients. The trainer
+    combines CP with TP + SP, with EP and with PP (the same losses as without CP)."""
+    ranks = run_distributed(hybrid_cp_tp_suite, 4)
+    name = HYBRID_CASES[0][0]
+    for rank, r in enumerate(ranks):
+        ref = _get(r["layouts"][name][(1, 1, False)], f"{name} at CP=1, rank {rank}")
+        got = _get(r["layouts"][name][(2, 2, True)], f"{name} at CP=2 x TP=2 + SP, rank {rank}")
+        assert got["cp_mixers"] > 0
+        _assert_matches(got, ref, "standard", f"{name} CP=2 x TP=2 + SP rank {rank}")
+    last = ranks[-1]
+    for layout in ("tp2-sp", "ep2", "pp2"):
+        ref = last[f"trainer_{layout}"]["iterations"]
+        got = last[f"trainer_cp2_{layout}"]["iterations"]
+        assert sorted(got) == sorted(ref) == [1, 2, 3], layout
+        for it in ref:
+            assert got[it] == pytest.approx(ref[it], rel=1e-5, abs=1e-5), (layout, it, got, ref)
 
 
 @pytest.mark.slow
@@ -143,14 +218,24 @@ def test_cp2_tp2_equals_tp1():
 
 
 # ---- refusals (no processes) -------------------------------------------------------------------
+HYBRID_MAMBA = {"hybrid_override_pattern": "M*", "num_layers": 2, "mamba_head_dim": 16,
+                "mamba_state_dim": 16}
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (variant_test_settings("sas"), "context_parallel_size=2 is invalid with sas layers"),
     (variant_test_settings("rnd_emb_qk"),
      "context_parallel_size=2 is invalid with rnd_emb_qk layers"),
     ({"attention_variant": "asa", "layer_pattern": ["asa", "sas"]},
      "context_parallel_size=2 is invalid with sas layers"),
-    ({"hybrid_override_pattern": "M*", "num_layers": 2},
-     "context_parallel_size=2 is invalid: allowed 1 with the hybrid host"),
+    ({**HYBRID_MAMBA, "mamba_num_heads": 3, "mamba_num_groups": 1},
+     "context_parallel_size=2 is invalid with the hybrid host: allowed a divisor of the Mamba "
+     "heads per tensor-parallel rank (3 / tensor_model_parallel_size=1 = 3"),
+    ({**HYBRID_MAMBA, "mamba_num_heads": 6, "mamba_num_groups": 3},
+     "allowed a divisor or a multiple of the Mamba groups per tensor-parallel rank "
+     "(mamba_num_groups=3 / 1 = 3"),
+    ({**HYBRID_MAMBA, "layer_pattern": ["sas"]},
+     "context_parallel_size=2 is invalid with sas layers"),
     ({"num_attention_heads": 2, "num_query_groups": 2, "tensor_model_parallel_size": 2},
      "allowed a divisor of the attention heads per tensor-parallel rank"),
     ({"num_attention_heads": 6, "num_query_groups": 3, "kv_channels": 16},
@@ -158,8 +243,8 @@ def test_cp2_tp2_equals_tp1():
     ({"context_parallel_scheme": "ring"}, "context_parallel_scheme='ring' is invalid"),
     ({"context_parallel_scheme": "state_passing"},
      "no layer's variant takes state passing (those that do: ['approx', 'asa', 'nonapprox'])"),
-], ids=["sas", "qk-source", "mixed-pattern", "hybrid", "heads", "kv-heads", "scheme",
-        "no-state-passing"])
+], ids=["sas", "qk-source", "mixed-pattern", "hybrid-mamba-heads", "hybrid-mamba-groups",
+        "hybrid-sas", "heads", "kv-heads", "scheme", "no-state-passing"])
 def test_config_refuses_what_has_no_cp_path(kwargs, needle):
     with pytest.raises(ValueError) as err:
         SubqTransformerConfig(**{**TINY, **kwargs, "context_parallel_size": 2})
@@ -176,10 +261,8 @@ MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                 "x --context-parallel-size = 4"),
     (["--reset-attention-mask"], 2, "--reset-attention-mask (packed documents) with "
                                     "--context-parallel-size=2 is not supported"),
-    (["--hybrid-override-pattern", "M*"], 2, "--context-parallel-size=2 is not supported by the "
-                                             "hybrid host"),
     ([], 3, "--context-parallel-size=2 does not divide the world size 3"),
-], ids=["seq-length", "packed", "hybrid", "world"])
+], ids=["seq-length", "packed", "world"])
 def test_trainer_flags_refuse_bad_cp(capsys, extra, world, needle):
     with pytest.raises(SystemExit) as e:
         arguments.parse_args(MIN + ["--context-parallel-size", "2"] + extra, world_size=world)
@@ -197,6 +280,20 @@ def test_trainer_names_the_flag_for_a_variant_without_cp(capsys):
         build_config(args)
     err = capsys.readouterr().err
     assert "--context-parallel-size" in err and "sas layers" in err, err
+
+
+def test_trainer_names_the_flag_for_mamba_heads_cp_cannot_split(capsys):
+    from megatron_subq.training.trainer import build_config
+
+    args = arguments.parse_args(MIN + HYBRID_TRAINER + ["--context-parallel-size", "2",
+                                                        "--mamba-num-heads", "3",
+                                                        "--mamba-num-groups", "1"],
+                                world_size=2)
+    args.data_parallel_size = 1
+    with pytest.raises(SystemExit):
+        build_config(args)
+    err = capsys.readouterr().err
+    assert "--context-parallel-size" in err and "Mamba heads" in err, err
 
 
 def test_capabilities():

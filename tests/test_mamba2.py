@@ -436,8 +436,18 @@ def test_mixer_rejects_bad_sizes(single_process, overrides, pg, needle):
 
 
 def test_mixer_rejects_unsupported_modes(single_process):
-    with pytest.raises(ValueError, match="context_parallel_size=2 is invalid"):
-        _mixer(pg_collection=_fake_pg(0, 1, cp=2))
+    with pytest.raises(ValueError, match=r"context_parallel_size=3 is invalid: allowed "
+                                         r"\(--context-parallel-size\) a divisor of the Mamba "
+                                         r"heads per tensor-parallel rank \(4 / 1 = 4\)"):
+        _mixer(pg_collection=_fake_pg(0, 1, cp=3))
+    with pytest.raises(ValueError, match=r"context_parallel_size=4 is invalid: .* a divisor or a "
+                                         r"multiple of the Mamba groups per tensor-parallel rank "
+                                         r"\(mamba_num_groups=3 / 1 = 3\)"):
+        _mixer(_config(mamba_num_heads=12, mamba_num_groups=3), _fake_pg(0, 1, cp=4))
+    cp2 = _mixer(pg_collection=_fake_pg(0, 1, cp=2))  # CP=2 builds; no inference under CP
+    cp2.eval()
+    with pytest.raises(ValueError, match="inference with context_parallel_size=2"):
+        cp2(torch.zeros(4, 1, 16, dtype=F64), inference_context=object())
     with pytest.raises(ValueError, match="bias=True is invalid"):
         _mixer(bias=True)
     m = _mixer()

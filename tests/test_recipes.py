@@ -341,3 +341,20 @@ def test_context_parallelism_splits_the_sequence_and_the_optimizer():
     for key in ("parameters", "gradients", "optimizer"):
         assert two.memory[key] == pytest.approx(one.memory[key])
     assert two.to_dict()["layout"]["cp"] == 2
+
+
+def test_hybrid_context_parallelism_is_planned_and_mamba_heads_are_checked(capsys):
+    """The hybrid host takes --cp (its Mamba-2 layers split heads over CP): Nemotron-3 Nano at
+    --cp 2 plans; --cp 3 is refused for its 64 Mamba heads, naming the flag."""
+    from tools.plan_run import main
+
+    cpu = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "131072",
+           "--train-iters", "1000", "--moe-token-dispatcher-type", "allgather",
+           "--global-batch-size", "32", "--use-distributed-optimizer"]
+    two = plan.plan_run(_recipe("nemotron-3-nano-30b-a3b"), nodes=4, ep=8, cp=2, extra=cpu)
+    assert two.args.context_parallel_size == 2
+    assert main(["--config", _recipe("nemotron-3-nano-30b-a3b"), "--nodes", "3", "--cp", "3",
+                 *cpu]) == 2
+    text = "".join(capsys.readouterr())
+    assert "--cp (--context-parallel-size) 3: the Mamba-2 layers need the Mamba heads per TP " \
+           "rank (64) divisible by it" in text, text

@@ -14,8 +14,15 @@ spec: the same constructor, the same parameter names, shapes, dtypes and TP layo
 TP: rank r holds heads [r*H/N, (r+1)*H/N) and groups [r*G/N, (r+1)*G/N); its in_proj rows are
 [z_r | x_r | B_r | C_r | dt_r] and its conv channels [x_r | B_r | C_r]. Under sequence
 parallelism in_proj all-gathers the sequence and out_proj reduce-scatters it (megatron's linears).
-Not supported (a ValueError names each): packed sequences, context parallelism, dynamic-batching
-inference; megatron's ``MambaMixer`` takes them (``mamba_mixer_class`` chooses).
+
+Context parallelism (``pg_collection.cp`` of N > 1 ranks; megatron's scheme, through its
+``MambaContextParallel``): the rank's zig-zag sequence share of in_proj's output is exchanged
+all-to-all for its share of the TP rank's heads (and groups, replicated when fewer than N) over
+the whole sequence in natural order, the conv1d and the scan run on that with the matching slices
+of conv1d / dt_bias / A_log / D, and the scan's output goes back to the sequence share, where
+the gate (z, never exchanged back) and the norm apply. Heads per TP rank must be divisible by N.
+Not supported (a ValueError names each): packed sequences, inference under context parallelism,
+dynamic-batching inference; megatron's ``MambaMixer`` takes them (``mamba_mixer_class`` chooses).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from megatron.core.ssm.mamba_context_parallel import MambaContextParallel
 from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules, _split_tensor_factory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
@@ -84,8 +92,10 @@ class SubqMambaMixer(MegatronModule):
     (``mamba_state_dim``, ``mamba_head_dim``, ``mamba_num_groups``, ``mamba_num_heads`` or
     ``expand * d_model / mamba_head_dim`` heads); ``d_state``/``headdim``/``ngroups``/
     ``use_mem_eff_path`` are deprecated there and ignored here alike (with a warning), and so are
-    ``dt_init``/``dt_scale`` (megatron ignores them too). ``pg_collection`` gives ``tp`` (and
-    ``cp``, which must have one rank); None falls back to megatron's global groups.
+    ``dt_init``/``dt_scale`` (megatron ignores them too). ``pg_collection`` gives ``tp`` and
+    ``cp`` (context parallelism: see the module docstring); None falls back to megatron's global
+    groups. Under CP every rank keeps the TP rank's whole parameters; the per-head ones get
+    gradient only from the rank's slice, summed by megatron's DP x CP gradient reduction.
 
     Initialisation (megatron's scheme; identical weights at any TP size): every parameter is
     drawn as the full TP=1 tensor from the default CPU generator and each rank keeps its share,
@@ -207,6 +217,14 @@ class SubqMambaMixer(MegatronModule):
             init_method=config.output_layer_init_method, bias=bias, input_is_parallel=True,
             skip_bias_add=True, is_expert=False, tp_comm_buffer_name="fc2",
             tp_group=self.tp_group)
+        # context parallelism: megatron's exchange and parameter slicing (no parameters of its
+        # own; it slices ours in the forward, so gradients reach them); None at CP=1
+        cp_group = getattr(self.pg_collection, "cp", None)
+        self.cp = None
+        if get_pg_size(cp_group) > 1:
+            self.cp = MambaContextParallel(
+                cp_group, self.d_inner_local_tp, self.nheads_local_tp, self.ngroups_local_tp,
+                self.d_state, self.conv1d, self.dt_bias, self.A_log, self.D, D_has_hdim)
 
     # ---------------------------------------------------------------------------- construction
     def _check_arguments(self, config, tp, A_init_range, dt_min, dt_max, bias):
@@ -239,11 +257,17 @@ class SubqMambaMixer(MegatronModule):
                 f"a multiple of tensor_model_parallel_size={tp} (each rank holds whole groups)")
         if nheads % self.ngroups:
             bad("mamba_num_groups", self.ngroups, f"a divisor of mamba_num_heads={nheads}")
-        cp_group = getattr(self.pg_collection, "cp", None)
-        if get_pg_size(cp_group) != 1:
-            bad("context_parallel_size", get_pg_size(cp_group),
-                "1 (SubqMambaMixer has no context parallelism; megatron's MambaMixer with "
-                "mamba_ssm on CUDA has)")
+        cp = get_pg_size(getattr(self.pg_collection, "cp", None))
+        heads_tp, groups_tp = nheads // tp, self.ngroups // tp
+        if cp > 1 and heads_tp % cp:
+            bad("context_parallel_size", cp,
+                f"(--context-parallel-size) a divisor of the Mamba heads per tensor-parallel "
+                f"rank ({nheads} / {tp} = {heads_tp}): each CP rank scans a share of them")
+        if cp > 1 and groups_tp % cp and cp % groups_tp:
+            bad("context_parallel_size", cp,
+                f"(--context-parallel-size) a divisor or a multiple of the Mamba groups per "
+                f"tensor-parallel rank (mamba_num_groups={self.ngroups} / {tp} = {groups_tp}): "
+                "groups are split or replicated over CP")
         if bias:
             bad("bias", bias, "False (as megatron's MambaMixer)")
         if self.norm_before_gate:
@@ -299,27 +323,60 @@ class SubqMambaMixer(MegatronModule):
                 "--reset-attention-mask) are not supported in Mamba layers yet; drop "
                 "--reset-attention-mask")
         if inference_context is not None and not self.training:
+            if self.cp is not None:
+                raise ValueError("SubqMambaMixer: inference with context_parallel_size="
+                                 f"{self.cp.cp_size} is not supported: allowed 1")
             return self._inference_forward(hidden_states, inference_context)
         zxBCdt, _ = self.in_proj(hidden_states)
+        if self.cp is not None:
+            return self.out_proj(self._mix_cp(zxBCdt))
         y = self._mix(zxBCdt)
         return self.out_proj(y)
 
-    def _split_zxbcdt(self, zxBCdt: torch.Tensor):
-        xbc = self.d_inner_local_tp + 2 * self.ngroups_local_tp * self.d_state
-        return torch.split(zxBCdt, [self.d_inner_local_tp, xbc, self.nheads_local_tp], dim=-1)
+    def _split_zxbcdt(self, zxBCdt: torch.Tensor, d_inner=None, ngroups=None, nheads=None):
+        d_inner = d_inner or self.d_inner_local_tp
+        ngroups = ngroups or self.ngroups_local_tp
+        nheads = nheads or self.nheads_local_tp
+        return torch.split(zxBCdt, [d_inner, d_inner + 2 * ngroups * self.d_state, nheads],
+                           dim=-1)
 
-    def _split_xbc(self, xBC: torch.Tensor):
-        gn = self.ngroups_local_tp * self.d_state
-        x, B, C = torch.split(xBC, [self.d_inner_local_tp, gn, gn], dim=-1)
+    def _split_xbc(self, xBC: torch.Tensor, d_inner=None, ngroups=None, nheads=None):
+        d_inner = d_inner or self.d_inner_local_tp
+        ngroups = ngroups or self.ngroups_local_tp
+        nheads = nheads or self.nheads_local_tp
+        gn = ngroups * self.d_state
+        x, B, C = torch.split(xBC, [d_inner, gn, gn], dim=-1)
         lead = x.shape[:-1]
-        return (x.reshape(*lead, self.nheads_local_tp, self.headdim),
-                B.reshape(*lead, self.ngroups_local_tp, self.d_state),
-                C.reshape(*lead, self.ngroups_local_tp, self.d_state))
+        return (x.reshape(*lead, nheads, self.headdim),
+                B.reshape(*lead, ngroups, self.d_state),
+                C.reshape(*lead, ngroups, self.d_state))
 
-    def _ssm_params(self):
-        A = -torch.exp(self.A_log.float())
-        D = self.D.reshape(self.nheads_local_tp, self.headdim) if self.D_has_hdim else self.D
+    def _ssm_params(self, A_log=None, D=None):
+        A_log = self.A_log if A_log is None else A_log
+        D = self.D if D is None else D
+        A = -torch.exp(A_log.float())
+        D = D.reshape(-1, self.headdim) if self.D_has_hdim else D
         return A, D
+
+    def _mix_cp(self, zxBCdt: torch.Tensor) -> torch.Tensor:
+        """``_mix`` under context parallelism: in_proj's output for this rank's zig-zag
+        sequence share [s/cp, b, d_in_proj_local] -> the norm's output [s/cp, b, d_inner_local]
+        (the scan over this rank's heads of the whole sequence; see the module docstring)."""
+        cp = self.cp
+        sizes = dict(d_inner=cp.d_inner_local_tpcp, ngroups=cp.ngroups_local_tpcp,
+                     nheads=cp.nheads_local_tpcp)
+        z_local = zxBCdt[..., :self.d_inner_local_tp]           # the gate stays sequence-sharded
+        heads = cp.pre_conv_ssm(zxBCdt).transpose(0, 1)           # [b, s, d_local_tpcp]
+        _, xBC, dt = self._split_zxbcdt(heads, **sizes)
+        bias = cp.get_conv1d_bias() if self.conv1d.bias is not None else None
+        xBC, _ = causal_conv1d(xBC, cp.get_conv1d_weight()[:, 0, :], bias,
+                               activation=self.activation)
+        x, B, C = self._split_xbc(xBC, **sizes)
+        A, D = self._ssm_params(cp.get_A_log(), cp.get_D())
+        y, _ = ssd_chunk(x, dt, A, B, C, D, cp.get_dt_bias(), chunk_size=self.chunk_size)
+        y = y.reshape(*y.shape[:2], cp.d_inner_local_tpcp).transpose(0, 1)
+        y = cp.post_conv_ssm(y.contiguous())                     # [s/cp, b, d_inner_local]
+        return self._gate_and_norm(y, z_local).contiguous()
 
     def _gate_and_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if self.rmsnorm:

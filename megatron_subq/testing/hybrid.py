@@ -348,3 +348,90 @@ def nano_parameter_counts() -> dict:
                         active_parameters(model, config))
     out["devices"] = sorted(devices)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# context parallelism
+# ---------------------------------------------------------------------------------------------
+def hybrid_cp_step(pattern: str, slots: List[str], batch: int = 2, seq: int = 32,
+                   vocab: int = 256, data_seed: int = 0, sp: bool = False, **overrides) -> dict:
+    """One forward/backward of the tiny hybrid (``pattern``, ``slots`` in its attention slots,
+    their ``VARIANT_TEST_SETTINGS``) under the current parallel state's CP and TP sizes (PP = EP
+    = 1; ``sp``: sequence parallelism): each CP rank takes its zig-zag share of the batch
+    (megatron's ``get_batch_on_this_cp_rank``), backpropagates its share of the global mean
+    loss, and the CP ranks' gradients are summed (what megatron's DP x CP gradient reduction
+    does; SP partial gradients summed over TP, TP shards joined). Returns the per-token loss
+    [b, s] in natural order, every parameter's full gradient (the same at any CP/TP size) and
+    ``cp_mixers``: how many ``SubqMambaMixer`` took the context-parallel path."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
+    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
+
+    from ..attention import zigzag_chunks  # noqa: PLC0415
+    from ..hybrid import build_hybrid_model, hybrid_preset  # noqa: PLC0415
+    from .equivalence import make_batch  # noqa: PLC0415
+
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = parallel_state.get_context_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    knobs = {}
+    for name in slots:
+        knobs.update(VARIANT_TEST_SETTINGS[name])
+    config, _ = hybrid_preset("tiny-hybrid", num_layers=len(pattern),
+                              hybrid_override_pattern=pattern, layer_pattern=list(slots),
+                              use_cpu_initialization=True, context_parallel_size=cp,
+                              tensor_model_parallel_size=tp, sequence_parallel=sp,
+                              **{**knobs, **overrides})
+    model = build_hybrid_model(config, vocab_size=vocab, max_sequence_length=seq)
+    init_by_global_name(model, config)
+    tokens, labels, pos = make_batch(vocab, batch, seq, data_seed)
+    local = get_batch_on_this_cp_rank({"tokens": tokens, "labels": labels,
+                                       "position_ids": pos}, cp_group)
+    # the MoE aux loss's backward scale is class state that megatron's schedules also set: 1 here
+    # (as at any CP size outside a schedule), the caller's value restored afterwards
+    kept = MoEAuxLossAutoScaler.main_loss_backward_scale
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    try:
+        loss = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        (loss.sum() / (batch * seq)).backward()
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = kept
+    grads = {}
+    for pname, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().clone()
+            dist.all_reduce(g, group=cp_group)
+            if tp > 1 and sp and getattr(p, "sequence_parallel", False):
+                dist.all_reduce(g, group=tp_group)
+            if tp > 1 and getattr(p, "tensor_model_parallel", False):
+                parts = [torch.empty_like(g) for _ in range(tp)]
+                dist.all_gather(parts, g.contiguous(), group=tp_group)
+                g = _join(parts, p, config, pname)
+            grads[pname] = g
+    parts = [torch.empty_like(loss) for _ in range(cp)]
+    dist.all_gather(parts, loss.detach().contiguous(), group=cp_group)
+    zigzag = torch.cat(parts, dim=1).view(batch, 2 * cp, seq // (2 * cp))
+    order = zigzag_chunks(cp)
+    full = zigzag[:, [order.index(c) for c in range(2 * cp)]].reshape(batch, seq)
+    mixers = [m for m in model.modules() if getattr(m, "cp", None) is not None
+              and hasattr(m, "_mix_cp")]
+    return {"loss": full, "grads": grads, "cp_mixers": len(mixers)}
+
+
+def hybrid_cp_suite(cases: List[tuple], layouts=((1, 1, False), (2, 1, False)),
+                    seed: int = 1234) -> dict:
+    """{case name: {(cp, tp, sp): result or ("error", traceback)}} of ``hybrid_cp_step`` for
+    each case (name, pattern, slots, config overrides) at each layout (CP, TP, SP), in one world
+    (re-initialised between them)."""
+    import traceback  # noqa: PLC0415
+
+    out: dict = {}
+    for name, pattern, slots, overrides in cases:
+        out[name] = {}
+        for cp, tp, sp in layouts:
+            try:
+                reinit_parallel(tp, 1, seed, context_parallel_size=cp)
+                out[name][(cp, tp, sp)] = hybrid_cp_step(pattern, slots, sp=sp, **overrides)
+            except Exception:  # noqa: BLE001 - reported by that case's test
+                out[name][(cp, tp, sp)] = ("error", traceback.format_exc())
+    return out

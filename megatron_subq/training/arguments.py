@@ -859,10 +859,6 @@ def _check_context_parallel(parser, args) -> None:
     if args.reset_attention_mask:
         parser.error(f"--reset-attention-mask (packed documents) with --context-parallel-size="
                      f"{cp} is not supported; allowed: one of them")
-    if args.hybrid_override_pattern is not None:
-        parser.error(f"--context-parallel-size={cp} is not supported by the hybrid host "
-                     "(--hybrid-override-pattern): its Mamba-2 layers have no context-parallel "
-                     "path yet; allowed: 1")
 
 
 def _check_packed_sequences(parser, args) -> None:

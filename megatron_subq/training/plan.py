@@ -164,9 +164,15 @@ def layout_problems(args: argparse.Namespace, world_size: int) -> List[str]:
             out.append(f"--cp (--context-parallel-size) {cp}: variant(s) {', '.join(refused)} "
                        "have no context-parallel path (Variant.context_parallel='none'); "
                        "allowed: --cp 1")
-        if args.hybrid_override_pattern:
-            out.append(f"--cp (--context-parallel-size) {cp}: the hybrid host's Mamba-2 layers "
-                       "have no context-parallel path yet; allowed: --cp 1")
+        if args.hybrid_override_pattern and "M" in args.hybrid_override_pattern:
+            from ..hybrid.flops import mamba_dims  # noqa: PLC0415
+
+            nheads, _, ngroups, _, _ = mamba_dims(args)
+            heads, groups = nheads // tp, ngroups // tp
+            if heads % cp or (groups and groups % cp and cp % groups):
+                out.append(f"--cp (--context-parallel-size) {cp}: the Mamba-2 layers need the "
+                           f"Mamba heads per TP rank ({heads}) divisible by it and the groups "
+                           f"per TP rank ({groups}) a divisor or a multiple of it")
         if args.seq_length and args.seq_length % (2 * cp):
             out.append(f"--seq-length {args.seq_length} is not divisible by 2 x --cp {cp} "
                        "(megatron's zig-zag split: 2 chunks per CP rank)")
