@@ -2,11 +2,12 @@
 ``--nnodes 2``, c10d rendezvous on localhost, gloo), TP=2 x DP=2 across the two "nodes".
 
 Slurm's ``srun`` and ``scontrol`` are replaced by the stand-ins in tests/data/fake_slurm (one
-task per node in its own process group; requeue recorded). Four launches: an uninterrupted job
+task per node in its own process group; requeue recorded). Three launches: an uninterrupted job
 (A); a job whose second "node" is killed after its first checkpoint (B), which must requeue
-itself; B's requeued attempt, which must resume from B's last complete checkpoint and, signalled
-near its "time limit", requeue again, save where it is and exit; and a third attempt that
-resumes there and ends with A's loss at every iteration.
+itself; and B's requeued attempt, which must resume from B's last complete checkpoint and end
+with A's loss at every iteration. The slow variant adds the time limit: B's requeued attempt,
+signalled as Slurm does near it, requeues again, saves where it is and exits; a third attempt
+resumes there and finishes.
 """
 
 import json
@@ -57,7 +58,8 @@ def _submit(job, name, job_id, restart_count=0, background=False):
                SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[1-2]",
                SLURM_SUBMIT_DIR=ROOT, SLURM_RESTART_COUNT=str(restart_count),
                SUBQ_GPUS_PER_NODE="2", SUBQ_PYTHON=sys.executable, MASTER_PORT=str(free_port()),
-               FAKE_SRUN_PIDS=str(work / f"{name}.pids"), FAKE_REQUEUED=str(work / "requeued"),
+               FAKE_SRUN_PIDS=str(work / f"{name}.pids"),
+               FAKE_REQUEUED=str(work / f"{name[:-1]}requeued"),
                OMP_NUM_THREADS="1", SUBQ_GPU="H100")
     cmd = ["bash", SBATCH, job["recipe"], "--save", str(work / name),
            "--metrics-file", str(work / f"{name}.jsonl")]
@@ -86,61 +88,71 @@ def _losses(path):
     return losses
 
 
-def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job):
-    work = job["work"]
-    out_a = _submit(job, "a", 101)
-    assert "2 node(s) x 2 GPU(s)" in out_a and read_tracker(str(work / "a")) == ITERS
+@pytest.mark.parametrize("time_limit", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["kill-requeue", "kill-requeue-time-limit"])
+def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job, time_limit):
+    """kill-requeue: A; B killed and requeued; B's next attempt finishes. kill-requeue-time-limit
+    (slow: one launch more): B's next attempt is signalled near its time limit, saves where it is
+    and requeues again, and a third attempt finishes."""
+    work, tag = job["work"], "t" if time_limit else ""
+    a_name, b_name = f"{tag}a", f"{tag}b"
+    out_a = _submit(job, a_name, 101)
+    assert "2 node(s) x 2 GPU(s)" in out_a and read_tracker(str(work / a_name)) == ITERS
     assert "TP 2" in out_a and "DP 2" in out_a, out_a[:3000]  # tools/plan_run.py's plan
-    a = _losses(work / "a.jsonl")
+    a = _losses(work / f"{a_name}.jsonl")
     assert sorted(a) == list(range(1, ITERS + 1))
-    node_logs = sorted(os.listdir(work / "a" / "logs" / "job-101"))
+    node_logs = sorted(os.listdir(work / a_name / "logs" / "job-101"))
     assert node_logs == ["node0.attempt0.log", "node1.attempt0.log"], node_logs
 
     # B: kill "node" 1 (its agent and workers) once the first checkpoint is complete
-    proc = _submit(job, "b", 202, background=True)
+    requeued = work / f"{tag}requeued"
+    proc = _submit(job, b_name, 202, background=True)
     deadline = time.time() + 400
-    while read_tracker(str(work / "b")) is None:
+    while read_tracker(str(work / b_name)) is None:
         assert proc.poll() is None and time.time() < deadline, \
-            (work / "b.attempt0.out").read_text()[-4000:]
+            (work / f"{b_name}.attempt0.out").read_text()[-4000:]
         time.sleep(0.5)
-    pids = dict(line.split() for line in open(work / "b.pids"))
+    pids = dict(line.split() for line in open(work / f"{b_name}.pids"))
     os.killpg(int(pids["1"]), signal.SIGKILL)
     rc = proc.wait(timeout=300)
-    first = (work / "b.attempt0.out").read_text()
+    first = (work / f"{b_name}.attempt0.out").read_text()
     assert rc != 0, first[-3000:]
-    assert "requeueing job 202" in first and open(work / "requeued").read().split() == ["202"]
-    resumed_from = read_tracker(str(work / "b"))
+    assert "requeueing job 202" in first and open(requeued).read().split() == ["202"]
+    resumed_from = read_tracker(str(work / b_name))
     assert resumed_from is not None and resumed_from < ITERS
+    last_attempt, loaded_from = 1, resumed_from
 
-    # B's requeued attempt (Slurm sets SLURM_RESTART_COUNT) resumes; near its "time limit"
-    # (Slurm's --signal=B:USR1 to the batch script) it requeues itself and stops the step with
-    # SIGTERM, on which the trainer (--exit-signal-handler) saves where it is and exits
-    proc = _submit(job, "b", 202, restart_count=1, background=True)
-    metrics = work / "b.jsonl"
-    seen = len(open(metrics).read().splitlines())
-    deadline = time.time() + 400
-    while len(open(metrics).read().splitlines()) == seen:
-        assert proc.poll() is None and time.time() < deadline, \
-            (work / "b.attempt1.out").read_text()[-4000:]
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGUSR1)
-    rc = proc.wait(timeout=300)
-    second = (work / "b.attempt1.out").read_text()
-    node0 = (work / "b" / "logs" / "job-202" / "node0.attempt1.log").read_text()
-    assert rc == 0, second[-3000:]
-    assert f"loaded checkpoint at iteration {resumed_from} " in node0, node0[-3000:]
-    assert "time limit near: requeueing job 202" in second, second[-3000:]
-    assert open(work / "requeued").read().split() == ["202", "202"]
-    stopped_at = read_tracker(str(work / "b"))
-    assert f"exiting at iteration {stopped_at}: SIGTERM received" in second, second[-3000:]
-    assert resumed_from < stopped_at < ITERS, (resumed_from, stopped_at)
+    if time_limit:
+        # B's requeued attempt (Slurm sets SLURM_RESTART_COUNT) resumes; near its "time limit"
+        # (Slurm's --signal=B:USR1 to the batch script) it requeues itself and stops the step
+        # with SIGTERM, on which the trainer (--exit-signal-handler) saves where it is and exits
+        proc = _submit(job, b_name, 202, restart_count=1, background=True)
+        metrics = work / f"{b_name}.jsonl"
+        seen = len(open(metrics).read().splitlines())
+        deadline = time.time() + 400
+        while len(open(metrics).read().splitlines()) == seen:
+            assert proc.poll() is None and time.time() < deadline, \
+                (work / f"{b_name}.attempt1.out").read_text()[-4000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGUSR1)
+        rc = proc.wait(timeout=300)
+        second = (work / f"{b_name}.attempt1.out").read_text()
+        node0 = (work / b_name / "logs" / "job-202" / "node0.attempt1.log").read_text()
+        assert rc == 0, second[-3000:]
+        assert f"loaded checkpoint at iteration {resumed_from} " in node0, node0[-3000:]
+        assert "time limit near: requeueing job 202" in second, second[-3000:]
+        assert open(requeued).read().split() == ["202", "202"]
+        stopped_at = read_tracker(str(work / b_name))
+        assert f"exiting at iteration {stopped_at}: SIGTERM received" in second, second[-3000:]
+        assert resumed_from < stopped_at < ITERS, (resumed_from, stopped_at)
+        last_attempt, loaded_from = 2, stopped_at
 
-    # the third attempt finishes the run
-    _submit(job, "b", 202, restart_count=2)
-    node0 = (work / "b" / "logs" / "job-202" / "node0.attempt2.log").read_text()
-    assert f"loaded checkpoint at iteration {stopped_at} " in node0, node0[-3000:]
-    assert read_tracker(str(work / "b")) == ITERS
-    b = _losses(work / "b.jsonl")
+    # the last attempt (Slurm sets SLURM_RESTART_COUNT) resumes and finishes the run
+    _submit(job, b_name, 202, restart_count=last_attempt)
+    node0 = (work / b_name / "logs" / "job-202" / f"node0.attempt{last_attempt}.log").read_text()
+    assert f"loaded checkpoint at iteration {loaded_from} " in node0, node0[-3000:]
+    assert read_tracker(str(work / b_name)) == ITERS
+    b = _losses(work / f"{b_name}.jsonl")
     assert sorted(b) == list(range(1, ITERS + 1))
     for it in a:  # same data order, same seeds, same reduction topology: the same numbers
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), (it, a[it], b[it])
