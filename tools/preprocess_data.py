@@ -298,6 +298,35 @@ def _add_stats(total: dict, part: dict) -> None:
         total["examples"][reason] += part["examples"].get(reason, [])[:max(room, 0)]
 
 
+def _take_line(stats: dict, builders: dict, dtype, where: str, encoded, args) -> Optional[str]:
+    """One ``encode`` result into ``stats`` and the dataset ``builders`` (single file and shards
+    alike): blank lines and empty documents counted, bad lines counted with up to ``EXAMPLES``
+    places under ``--skip-bad-lines``, else their error text returned (None when all is well)."""
+    _, out, problem, detail, nbytes = encoded
+    stats["bytes"] += nbytes
+    if problem == "blank line":
+        stats["blank"] += 1
+        return None
+    if problem is not None:
+        if not args.skip_bad_lines:
+            return _bad_line_error(where, problem, detail)
+        stats["malformed"][problem] = stats["malformed"].get(problem, 0) + 1
+        examples = stats["examples"].setdefault(problem, [])
+        if len(examples) < EXAMPLES:
+            examples.append(where)
+        return None
+    if all(len(ids) <= int(args.append_eod) for ids in out.values()):
+        stats["empty"] += 1  # no text: nothing to train on (its lone EOD is not written)
+        return None
+    import numpy as np  # noqa: PLC0415 - as everywhere in this tool: not at start-up
+
+    for key, ids in out.items():
+        builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
+        stats["tokens"][key] += len(ids)
+    stats["documents"] += 1
+    return None
+
+
 def _bad_line_error(where: str, problem: str, detail: str) -> str:
     return (f"error: {where}: {problem}{detail}. Every line must be a JSON object with a string "
             f"under every --json-keys key ({', '.join(_ARGS.json_keys)}); fix the line, or "
@@ -416,7 +445,6 @@ def _run_single(args) -> dict:
 
 
 def _write_single(args, prefixes, partial, builders, dtype) -> dict:
-    import numpy as np  # noqa: PLC0415
     from tqdm import tqdm  # noqa: PLC0415
 
     path = args.files[0]
@@ -430,26 +458,12 @@ def _write_single(args, prefixes, partial, builders, dtype) -> dict:
     bar = tqdm(results, unit=" docs", disable=args.no_progress, total=args.max_documents,
                desc="tokenizing", mininterval=1.0)
     try:
-        for number, out, problem, detail, nbytes in bar:
-            stats["bytes"] += nbytes
-            if problem == "blank line":
-                stats["blank"] += 1
-                continue
-            if problem is not None:
-                if not args.skip_bad_lines:
-                    raise SystemExit(_bad_line_error(f"{path}:{number}", problem, detail)
-                                     + "; nothing was written")
-                stats["malformed"][problem] = stats["malformed"].get(problem, 0) + 1
-                stats["examples"].setdefault(problem, []).append(f"{path}:{number}")
-                continue
-            if all(len(ids) <= int(args.append_eod) for ids in out.values()):
-                stats["empty"] += 1  # no text: nothing to train on (its lone EOD is not written)
-                continue
-            for key, ids in out.items():
-                builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-                stats["tokens"][key] += len(ids)
-            stats["documents"] += 1
-            if stats["documents"] % 100 == 0:
+        for encoded in bar:
+            documents = stats["documents"]
+            error = _take_line(stats, builders, dtype, f"{path}:{encoded[0]}", encoded, args)
+            if error:
+                raise SystemExit(error + "; nothing was written")
+            if stats["documents"] != documents and stats["documents"] % 100 == 0:
                 bar.set_postfix(tokens=sum(stats["tokens"].values()))
     finally:
         bar.close()
@@ -534,7 +548,6 @@ def _shard_done(work: str, sid: str, path: str, keys) -> Optional[dict]:
 def _do_shard(task) -> dict:
     """Tokenize one shard into the work folder: ``.partial`` files, renamed when complete, its
     ``.json`` record last. Returns the record, or {"error": message} (partial files removed)."""
-    import numpy as np  # noqa: PLC0415
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
 
     work, sid, path = task
@@ -562,26 +575,10 @@ def _do_shard(task) -> dict:
     try:
         builders = {k: IndexedDatasetBuilder(partial[k][0], dtype=dtype) for k in keys}
         for number, raw in numbered_lines(path):
-            _, out, problem, detail, nbytes = encode((number, raw))
-            stats["bytes"] += nbytes
-            if problem == "blank line":
-                stats["blank"] += 1
-                continue
-            if problem is not None:
-                if not _ARGS.skip_bad_lines:
-                    return {"error": _bad_line_error(f"{path}:{number}", problem, detail)}
-                stats["malformed"][problem] = stats["malformed"].get(problem, 0) + 1
-                examples = stats["examples"].setdefault(problem, [])
-                if len(examples) < EXAMPLES:
-                    examples.append(f"{path}:{number}")
-                continue
-            if all(len(ids) <= int(_ARGS.append_eod) for ids in out.values()):
-                stats["empty"] += 1
-                continue
-            for key, ids in out.items():
-                builders[key].add_document(np.asarray(ids, dtype=dtype), [len(ids)])
-                stats["tokens"][key] += len(ids)
-            stats["documents"] += 1
+            error = _take_line(stats, builders, dtype, f"{path}:{number}",
+                               encode((number, raw)), _ARGS)
+            if error:
+                return {"error": error}
             report()
         for key, builder in builders.items():
             builder.finalize(partial[key][1])
