@@ -256,5 +256,6 @@ def ppa_attention(q, k, v, power, window: int, impl: Optional[str] = None,
     return ppa_attention_reference(q, k, v, p, w, scale=scale)
 
 
-__all__ = ["ppa_attention", "ppa_attention_reference", "ppa_prefill", "ppa_attention_masked", "ppa_offsets",
+__all__ = ["ppa_attention", "ppa_attention_reference", "ppa_prefill", "ppa_attention_masked",
+           "ppa_offsets",
            "ppa_far_offsets", "ppa_mask", "ppa_power_fraction", "default_chunk_size"]

@@ -168,8 +168,8 @@ def _check_bias(op: str, name: str, b, size: int) -> None:
 def sas_expand_qkv(q, k, v, wq: SASBranchWeights, wk: SASBranchWeights, wv: SASBranchWeights,
                    heads: HeadIndex = None, op: str = "sas_attention"):
     """The simulated heads ``heads`` (default all Ĥ) of q, k, v, checked: ``(q̂ [B, T, n, D̂],
-    k̂ [B, T, n, D̂], v̂ [B, T, n, D], D̂)``. Each token is expanded on its own, so a decode cache
-    may keep k̂, v̂ (``SASCoreAttention.attend_cached``)."""
+    k̂ [B, T, n, D̂], v̂ [B, T, n, D], D̂)``. Each token is expanded on its own, so a decode
+    cache may keep k̂, v̂ (``SASCoreAttention.attend_cached``)."""
     B, T, H, H_kv, D = check_qkv(op, q, k, v)
     n_out = None if heads is None else len(heads)
     sim_heads, q_dim = _check_branch(op, "wq", wq, H, D, n_out, True, q)

@@ -20,7 +20,8 @@ import dataclasses
 
 import torch
 from ..attention import SubqCoreAttention, copy_state_
-from ..ops import nonapprox_attention, nonapprox_decode_step, nonapprox_empty_state, nonapprox_prefill
+from ..ops import (nonapprox_attention, nonapprox_decode_step, nonapprox_empty_state,
+                   nonapprox_prefill)
 from ..ops.dispatch import repeat_kv
 from ..ops.nonapprox import (NonapproxState, accumulation_dtype, nonapprox_attention_chunked,
                              token_scores)

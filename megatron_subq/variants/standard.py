@@ -82,7 +82,8 @@ class SubqSelfAttention(SelfAttention):
 
 
 def self_attention_spec(core_attention: type, provider: BackendSpecProvider,
-                        module: type = SubqSelfAttention, submodules: type = SelfAttentionSubmodules,
+                        module: type = SubqSelfAttention,
+                        submodules: type = SelfAttentionSubmodules,
                         **extra) -> ModuleSpec:
     """``SubqSelfAttention`` (megatron's: fused QKV, RoPE, GQA, row-parallel output; decoding
     through the core's own cache) around a core, its linears from ``provider``.
