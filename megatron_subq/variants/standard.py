@@ -80,6 +80,15 @@ class SubqSelfAttention(SelfAttention):
         self.core_attention.bind_decode(context, start)
         return query, key, value, rotary_pos_emb, self.attn_mask_type, None
 
+    def forward(self, *args, **kwargs):
+        """megatron's; a decoding hand-off the core did not consume (an error in between) is
+        dropped, so it cannot reach a later forward."""
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            if isinstance(self.core_attention, SubqCoreAttention):
+                self.core_attention._decode = None
+
 
 def self_attention_spec(core_attention: type, provider: BackendSpecProvider,
                         module: type = SubqSelfAttention,
