@@ -88,6 +88,30 @@ def _assert_decode_equals_full(model, name, tokens=None):
     return session
 
 
+def test_cache_ops_equal_the_full_ops_rows():
+    """``standard_prefill`` / ``ppa_prefill``: a chunk of queries in the middle of a longer cache
+    (GQA, PPA's far offsets reached) gives those rows of the full op."""
+    from megatron_subq import ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 40, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cache_k = torch.cat([k[:, :30], torch.full_like(k[:, 30:], float("nan"))], dim=1)
+    cache_v = torch.cat([v[:, :30], torch.full_like(v[:, 30:], float("nan"))], dim=1)
+    for impl in ("reference", None):
+        full = ops.standard_attention(q, k, v, impl=impl)
+        got = ops.standard_prefill(q[:, 21:30], cache_k, cache_v, start=21, impl=impl)
+        torch.testing.assert_close(got, full[:, 21:30])
+        one = ops.standard_prefill(q[:, 29:30], k[:, :30], v[:, :30], impl=impl)  # start = L - 1
+        torch.testing.assert_close(one, full[:, 29:30])
+    full = ops.ppa_attention(q, k, v, 0.5, 2, impl="reference")
+    got = ops.ppa_prefill(q[:, 21:30], cache_k, cache_v, 0.5, 2, start=21)
+    torch.testing.assert_close(got, full[:, 21:30])
+    with pytest.raises(ValueError, match=r"start=35 is invalid: allowed an integer in \[0, 31\]"):
+        ops.ppa_prefill(q[:, 21:30], cache_k, cache_v, 0.5, 2, start=35)
+    with pytest.raises(ValueError, match="start=-1"):
+        ops.standard_prefill(q[:, :2], k, v, start=-1)
+
+
 @pytest.mark.parametrize("name", DECODING)
 def test_every_decoding_variant_equals_its_full_forward(one_process, name):
     session = _assert_decode_equals_full(_gpt(name), name)
