@@ -26,11 +26,19 @@ holds chunks r and 2N-1-r of 2N). ``forward`` exchanges them over the CP group (
 ``attend`` on its share of the heads, and reverses both steps for the output; autograd runs the
 exchange backwards. Key/value heads fewer than N are replicated first (as megatron does for TP);
 per-head parameters of a variant are read through ``cp_heads`` (this CP rank's rows).
+
+Decoding (docs/inference.md): with megatron's static inference context, ``SubqSelfAttention``
+(variants/standard.py) hands the context and the chunk's first position to the core
+(``bind_decode``) instead of filling megatron's KV cache; the core's next ``forward`` then keeps
+the layer's own cache in ``context.key_value_memory_dict[layer_number]`` (``new_decode_cache`` at
+position 0) and runs ``attend_cached`` on the new tokens only: a KV cache (``KVCache``) or a
+recurrent state, as the variant's ``Variant.decode_cache`` says.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,6 +91,45 @@ class SubqCoreAttention(MegatronModule):
         self.cp_head_split = self.cp_size if self.cp_mode == "all_to_all" else 1
         self.num_heads_local = heads_tp // self.cp_head_split
         self.head_dim = config.kv_channels
+        self._decode = None  # (inference context, first position): set by bind_decode
+
+    # ---------------------------------------------------------------------------- decoding
+    def bind_decode(self, context, start: int) -> None:
+        """Make the next ``forward`` a decoding one: its tokens are positions ``[start, start +
+        s)`` of the sequences that ``context`` (megatron's static inference context) holds.
+        Called by ``SubqSelfAttention._adjust_key_value_for_inference``, the one place the
+        context reaches the core."""
+        self._decode = (context, start)
+
+    def new_decode_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         max_length: int):
+        """An empty per-layer decode cache for sequences of up to ``max_length`` tokens, shaped
+        after the first chunk's q ``[B, C, H_local, D]`` and k/v ``[B, C, H_kv_local, D]``
+        (variants with ``Variant.decode_cache`` "kv" or "state")."""
+        raise NotImplementedError(f"{type(self).__name__}: this variant keeps no decode cache "
+                                  "(Variant.decode_cache='none'): decoding is not supported")
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache,
+                      start: int) -> torch.Tensor:
+        """``attend`` for the tokens at positions ``[start, start + C)`` of sequences whose
+        earlier tokens are in ``cache`` (which this call extends with these): q ``[B, C,
+        H_local, D]``, k/v ``[B, C, H_kv_local, D]`` -> ``[B, C, H_local, D]``, rows ``[start,
+        start + C)`` of ``attend`` over the whole sequence."""
+        raise NotImplementedError(f"{type(self).__name__}: attend_cached is not implemented")
+
+    def _forward_cached(self, query, key, value):
+        context, start = self._decode
+        self._decode = None
+        if self.cp_size > 1:
+            raise ValueError(f"{type(self).__name__}: decoding with context_parallel_size="
+                             f"{self.cp_size} is not supported; allowed 1")
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
+        memory = context.key_value_memory_dict
+        if start == 0 or self.layer_number not in memory:
+            memory[self.layer_number] = self.new_decode_cache(q, k, v,
+                                                              context.max_sequence_length)
+        out = self.attend_cached(q, k, v, memory[self.layer_number], start).transpose(0, 1)
+        return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np*hn]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [B, T, H_local, D], k/v: [B, T, H_kv_local, D] -> [B, T, H_local, D]."""
@@ -148,6 +195,11 @@ class SubqCoreAttention(MegatronModule):
         # query: [s, b, np, hn]; key/value: [s, b, ng, hn] (packed: [t, np, hn], see above)
         if attention_bias is not None:
             raise ValueError(f"{type(self).__name__}: attention_bias is not supported")
+        if self._decode is not None:
+            if packed_seq_params is not None:
+                raise ValueError(f"{type(self).__name__}: packed sequences are not supported "
+                                 "while decoding; allowed: one batch row per sequence")
+            return self._forward_cached(query, key, value)
         if packed_seq_params is not None:
             if self.cp_size > 1:
                 raise ValueError(f"{type(self).__name__}: packed sequences (--reset-attention-mask"
@@ -194,6 +246,50 @@ class SubqCoreAttention(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         return sharded_state_dict_with_head_params(self, prefix, sharded_offsets, metadata)
+
+
+@dataclass
+class KVCache:
+    """A decode cache of keys and values ``[B, max_length, heads, dim]`` (the ops' layout);
+    entries at and past the decoded length are unused. Memory grows with the sequence: one key
+    and one value row per token and head."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def like(cls, k: torch.Tensor, v: torch.Tensor, max_length: int) -> "KVCache":
+        """Empty buffers for ``max_length`` tokens, batch/heads/dim/dtype/device of k and v
+        ``[B, C, heads, dim]``."""
+        def empty(x):
+            return x.new_empty(x.shape[0], max_length, *x.shape[2:])
+
+        return cls(empty(k), empty(v))
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int
+               ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write k/v ``[B, C, ...]`` at positions ``[start, start + C)``; returns the keys and
+        values of positions ``[0, start + C)`` (views)."""
+        end = start + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(f"KVCache: positions up to {end} exceed the cache's max_length="
+                             f"{self.k.shape[1]} (the inference context's max_sequence_length)")
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def copy_state_(dst, src) -> None:
+    """Copy a recurrent state's tensors (``tensors()`` or a tuple of tensors) from ``src`` into
+    ``dst`` in place, and its ``length`` where it has one: the cache keeps its buffers."""
+    get = (lambda s: s.tensors()) if hasattr(dst, "tensors") else tuple
+    for a, b in zip(get(dst), get(src)):
+        a.copy_(b)
+    if hasattr(dst, "length"):
+        dst.length = src.length
 
 
 def packed_cu_seqlens(packed_seq_params) -> torch.Tensor:

@@ -62,3 +62,22 @@ def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     if h_kv == n_heads:
         return x
     return x.repeat_interleave(n_heads // h_kv, dim=2)
+
+
+def check_prefill(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  start: Optional[int]) -> int:
+    """The checks of a prefill/decode op over a cache: q ``[B, C, H, D]`` the queries of
+    positions ``[start, start + C)``, k_cache/v_cache ``[B, L, H_kv, D]`` holding at least the
+    first ``start + C`` positions. Returns ``start`` (default ``L - C``); ValueError naming the
+    argument otherwise."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{op}: {name} must be a [B, T, H, D] tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    C, L = q.shape[1], k_cache.shape[1]
+    start = L - C if start is None else start
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= L - C:
+        raise ValueError(f"{op}: start={start!r} is invalid: allowed an integer in [0, {L - C}] "
+                         f"(the cache holds {L} positions, the chunk {C} queries)")
+    check_qkv(op, q, k_cache[:, start:start + C], v_cache[:, start:start + C])
+    return start

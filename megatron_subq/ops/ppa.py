@@ -32,7 +32,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..kernels.ppa.plan import offsets_array, ppa_power_fraction
-from .dispatch import check_cu_seqlens, check_qkv, choose_impl
+from .dispatch import check_cu_seqlens, check_prefill, check_qkv, choose_impl
 
 # Query-key pairs (per batch entry and head) one chunk of the reference may hold.
 _CHUNK_PAIRS = 1 << 16
@@ -116,28 +116,30 @@ def ppa_attention_masked(q, k, v, power, window: int, scale: Optional[float] = N
 # ---------------------------------------------------------------------------------------------
 # the chunked sub-quadratic reference
 # ---------------------------------------------------------------------------------------------
-def _attend_query_chunk(q, k, v, far_offsets, i0: int, i1: int, window: int, scale: float):
-    """PPA output of queries [i0, i1).
+def _attend_query_chunk(qc, k, v, far_offsets, i0: int, window: int, scale: float):
+    """PPA output of the queries ``qc`` at positions [i0, i1), i1 = i0 + C.
 
-    q: [B, T, H_kv, G, D] (query head h = kv head h // G, as ``repeat_kv``); k, v: [B, T, H_kv, D];
-    far_offsets: int64 [n], the offsets in S_p with w < s < i1 (sorted). Returns [B, C, H_kv, G, D].
+    qc: [B, C, H_kv, G, D] (query head h = kv head h // G, as ``repeat_kv``); k, v: [B, >= i1,
+    H_kv, D]; far_offsets: int64 [n], the offsets in S_p with w < s < i1 (sorted). Returns
+    [B, C, H_kv, G, D].
     """
-    device = q.device
-    qc = q[:, i0:i1]
+    device = qc.device
+    i1 = i0 + qc.shape[1]
     pos = torch.arange(i0, i1, device=device)
 
     # (1) the window band: keys [max(0, i0 - w), i1), dense; keep i-w <= key <= i
     k0 = max(0, i0 - window)
     band_dist = pos[:, None] - torch.arange(k0, i1, device=device)[None, :]  # [C, C + w]
     band_ok = (band_dist >= 0) & (band_dist <= window)
-    band_scores = torch.einsum("bchgd,bjhd->bhgcj", qc, k[:, k0:i1]) * scale
+    band_k, band_v = k[:, k0:i1].to(qc.dtype), v[:, k0:i1].to(qc.dtype)
+    band_scores = torch.einsum("bchgd,bjhd->bhgcj", qc, band_k) * scale
     band_scores = band_scores.masked_fill(~band_ok, float("-inf"))
 
     # (2) power offsets beyond the window: key i - s of query i, gathered (one diagonal per s)
     far_keys = pos[:, None] - far_offsets[None, :]  # [C, n]
     far_ok = far_keys >= 0
     far_keys = far_keys.clamp(min=0)
-    k_far, v_far = k[:, far_keys], v[:, far_keys]  # [B, C, n, H_kv, D]
+    k_far, v_far = k[:, far_keys].to(qc.dtype), v[:, far_keys].to(qc.dtype)  # [B, C, n, H_kv, D]
     far_scores = torch.einsum("bchgd,bcnhd->bhgcn", qc, k_far) * scale
     far_scores = far_scores.masked_fill(~far_ok, float("-inf"))
 
@@ -145,7 +147,7 @@ def _attend_query_chunk(q, k, v, far_offsets, i0: int, i1: int, window: int, sca
     # and the band always holds the query itself, so no row is empty
     probs = torch.cat([band_scores, far_scores], dim=-1).softmax(dim=-1)
     p_band, p_far = probs.split([band_scores.shape[-1], far_scores.shape[-1]], dim=-1)
-    return (torch.einsum("bhgcj,bjhd->bchgd", p_band, v[:, k0:i1])
+    return (torch.einsum("bhgcj,bjhd->bchgd", p_band, band_v)
             + torch.einsum("bhgcn,bcnhd->bchgd", p_far, v_far))
 
 
@@ -178,13 +180,40 @@ def ppa_attention_reference(q, k, v, power, window: int, scale: Optional[float] 
     for i0 in range(0, T, chunk_size):
         i1 = min(T, i0 + chunk_size)
         far_here = far[: int(torch.searchsorted(far, i1))]  # offsets < i1 reach some key
-        args = (qf, kf, vf, far_here, i0, i1, w, scale)
+        args = (qf[:, i0:i1], kf, vf, far_here, i0, w, scale)
         if recompute:
             outs.append(checkpoint(_attend_query_chunk, *args, use_reentrant=False))
         else:
             outs.append(_attend_query_chunk(*args))
     out = torch.cat(outs, dim=1) if outs else qf.new_zeros(B, 0, H_kv, H // H_kv, D)
     return out.reshape(B, T, H, D).to(q.dtype)
+
+
+@torch.no_grad()
+def ppa_prefill(q, k_cache, v_cache, power, window: int, start: Optional[int] = None,
+                scale: Optional[float] = None):
+    """The queries of positions ``[start, start + C)`` over a key/value cache (decoding; no
+    autograd), the chunked reference's gather: each query reads its window band and its power
+    offsets only, O(w + L^p) keys.
+
+    q: [B, C, H, D]; k_cache, v_cache: [B, L, H_kv, D] holding positions ``[0, start + C)``
+    (entries past ``start + C`` are not read); ``start`` defaults to L - C. Returns [B, C, H, D]
+    in q's dtype: rows ``[start, start + C)`` of ``ppa_attention`` over the first start + C
+    tokens.
+    """
+    start = check_prefill("ppa_prefill", q, k_cache, v_cache, start)
+    B, C, H, D = q.shape
+    w = _check_window(window)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    end = start + C
+    far = ppa_far_offsets(power, w, end, device=q.device)
+    dtype = _compute_dtype(q)
+    H_kv = k_cache.shape[2]
+    qf = q.to(dtype).reshape(B, C, H_kv, H // H_kv, D)
+    chunk = default_chunk_size(C, w, far.numel())  # keys gathered per chunk, cast there
+    outs = [_attend_query_chunk(qf[:, a:a + chunk], k_cache, v_cache, far, start + a, w, scale)
+            for a in range(0, C, chunk)]
+    return torch.cat(outs, dim=1).reshape(B, C, H, D).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,5 +256,6 @@ def ppa_attention(q, k, v, power, window: int, impl: Optional[str] = None,
     return ppa_attention_reference(q, k, v, p, w, scale=scale)
 
 
-__all__ = ["ppa_attention", "ppa_attention_reference", "ppa_attention_masked", "ppa_offsets",
+__all__ = ["ppa_attention", "ppa_attention_reference", "ppa_prefill", "ppa_attention_masked",
+           "ppa_offsets",
            "ppa_far_offsets", "ppa_mask", "ppa_power_fraction", "default_chunk_size"]

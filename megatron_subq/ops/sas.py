@@ -165,20 +165,12 @@ def _check_bias(op: str, name: str, b, size: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # the op
 # ---------------------------------------------------------------------------------------------
-def sas_simulated_attention(q, k, v, wq: SASBranchWeights, wk: SASBranchWeights,
-                            wv: SASBranchWeights, heads: HeadIndex = None,
-                            scale: Optional[float] = None, impl: Optional[str] = None):
-    """The outputs of the simulated heads ``heads`` (default all Ĥ), before PEAA.
-
-    q: ``[B, T, H, D]``; k, v: ``[B, T, H_kv, D]`` (H % H_kv == 0). ``heads``: indices in the
-    paper's numbering (``conv_res`` then holds just their rows). Returns ``[B, T, n, D]``.
-    ``scale`` defaults to 1/√D̂. ``impl`` goes to ``standard_attention`` (the softmax attention):
-    ``"reference"`` is the explicit O(T²) form, None/"kernel" torch's SDPA.
-    """
-    op = "sas_attention"
+def sas_expand_qkv(q, k, v, wq: SASBranchWeights, wk: SASBranchWeights, wv: SASBranchWeights,
+                   heads: HeadIndex = None, op: str = "sas_attention"):
+    """The simulated heads ``heads`` (default all Ĥ) of q, k, v, checked: ``(q̂ [B, T, n, D̂],
+    k̂ [B, T, n, D̂], v̂ [B, T, n, D], D̂)``. Each token is expanded on its own, so a decode
+    cache may keep k̂, v̂ (``SASCoreAttention.attend_cached``)."""
     B, T, H, H_kv, D = check_qkv(op, q, k, v)
-    if impl not in (None,) + IMPLS:
-        raise ValueError(f"{op}: impl={impl!r} is not one of {(None,) + IMPLS}")
     n_out = None if heads is None else len(heads)
     sim_heads, q_dim = _check_branch(op, "wq", wq, H, D, n_out, True, q)
     for name, w, features in (("wk", wk, True), ("wv", wv, False)):
@@ -191,6 +183,23 @@ def sas_simulated_attention(q, k, v, wq: SASBranchWeights, wk: SASBranchWeights,
     q_hat = expand(q, wq, heads)  # [B, T, n, D̂]
     k_hat = expand(repeat_kv(k, H), wk, heads)  # [B, T, n, D̂]
     v_hat = expand(repeat_kv(v, H), wv, heads)  # [B, T, n, D]
+    return q_hat, k_hat, v_hat, q_dim
+
+
+def sas_simulated_attention(q, k, v, wq: SASBranchWeights, wk: SASBranchWeights,
+                            wv: SASBranchWeights, heads: HeadIndex = None,
+                            scale: Optional[float] = None, impl: Optional[str] = None):
+    """The outputs of the simulated heads ``heads`` (default all Ĥ), before PEAA.
+
+    q: ``[B, T, H, D]``; k, v: ``[B, T, H_kv, D]`` (H % H_kv == 0). ``heads``: indices in the
+    paper's numbering (``conv_res`` then holds just their rows). Returns ``[B, T, n, D]``.
+    ``scale`` defaults to 1/√D̂. ``impl`` goes to ``standard_attention`` (the softmax attention):
+    ``"reference"`` is the explicit O(T²) form, None/"kernel" torch's SDPA.
+    """
+    op = "sas_attention"
+    if impl not in (None,) + IMPLS:
+        raise ValueError(f"{op}: impl={impl!r} is not one of {(None,) + IMPLS}")
+    q_hat, k_hat, v_hat, q_dim = sas_expand_qkv(q, k, v, wq, wk, wv, heads, op)
     scale = 1.0 / math.sqrt(q_dim) if scale is None else scale
     return standard_attention(q_hat, k_hat, v_hat, causal=True, scale=scale,
                               impl="reference" if impl == "reference" else None)

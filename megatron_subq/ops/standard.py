@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .dispatch import IMPLS, check_qkv, repeat_kv
+from .dispatch import IMPLS, check_prefill, check_qkv, repeat_kv
 
 
 def standard_attention_reference(q, k, v, causal: bool = True, scale: Optional[float] = None):
@@ -42,6 +42,38 @@ def standard_attention(q, k, v, causal: bool = True, scale: Optional[float] = No
     if impl == "reference":
         return standard_attention_reference(q, k, v, causal=causal, scale=scale)
     return _sdpa(q, k, v, causal=causal, scale=scale)
+
+
+def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
+                     scale: Optional[float] = None, impl: Optional[str] = None):
+    """The queries of positions ``[start, start + C)`` over a key/value cache (decoding).
+
+    q: [B, C, H, D]; k_cache, v_cache: [B, L, H_kv, D] holding positions ``[0, start + C)``
+    (this chunk's included; entries past ``start + C`` are not read). ``start`` defaults to
+    L - C. Returns [B, C, H, D]: rows ``[start, start + C)`` of causal ``standard_attention``
+    over the first ``start + C`` tokens (query i sees keys <= i: causal aligned bottom-right).
+    """
+    start = check_prefill("standard_prefill", q, k_cache, v_cache, start)
+    C = q.shape[1]
+    if impl not in (None,) + IMPLS:
+        raise ValueError(f"standard_prefill: impl={impl!r} is not one of {(None,) + IMPLS}")
+    end = start + C
+    k, v = k_cache[:, :end], v_cache[:, :end]
+    H, D = q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    mask = None  # one query at the end sees every cached key
+    if C > 1:
+        mask = torch.ones(C, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+    if impl == "reference":
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qf, kf, vf = (x.to(acc) for x in (q, repeat_kv(k, H), repeat_kv(v, H)))
+        scores = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.einsum("bhij,bjhd->bihd", scores.softmax(dim=-1), vf).to(q.dtype)
+    qt, kt, vt = q.transpose(1, 2), repeat_kv(k, H).transpose(1, 2), repeat_kv(v, H).transpose(1, 2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2)
 
 
 def _sdpa(q, k, v, causal: bool = True, scale: Optional[float] = None):

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import SubqCoreAttention
-from ..ops import approx_attention
-from ..ops.approx import ApproxState, _phi2, _prescale, approx_attention_chunked
+from ..attention import SubqCoreAttention, copy_state_
+from ..ops import approx_attention, approx_decode_step, approx_empty_state, approx_prefill
+from ..ops.approx import (ApproxState, _phi2, _prescale, accumulation_dtype,
+                          approx_attention_chunked)
 from .base import Variant
 from .standard import self_attention_spec
 
@@ -32,6 +33,18 @@ class ApproxCoreAttention(SubqCoreAttention):
 
     def attend(self, q, k, v):
         return approx_attention(q, k, v, impl=self.config.subq_impl)
+
+    def new_decode_cache(self, q, k, v, max_length):
+        """The running sums (``ApproxState``) per key/value head: constant size."""
+        return approx_empty_state(k.shape[0], k.shape[2], k.shape[3], device=k.device,
+                                  dtype=accumulation_dtype(q.dtype))
+
+    def attend_cached(self, q, k, v, cache, start):
+        if q.shape[1] == 1:
+            return approx_decode_step(q[:, 0], k[:, 0], v[:, 0], cache)[:, None]
+        out, state = approx_prefill(q, k, v, state=cache, impl=self.config.subq_impl)
+        copy_state_(cache, state)
+        return out
 
     def chunk_state(self, q, k, v):
         """The running sums these tokens alone leave (``ApproxState``'s tensors, per key/value
@@ -77,4 +90,5 @@ VARIANT = Variant(
     core_flops=core_flops,
     context_parallel="all_to_all",
     state_passing=True,
+    decode_cache="state",
 )

@@ -21,9 +21,9 @@ import math
 
 import torch
 
-from ..attention import SubqCoreAttention
-from ..ops import asa_attention
-from ..ops.asa import ASA_NORMALIZE_MODES, asa_feature_maps
+from ..attention import SubqCoreAttention, copy_state_
+from ..ops import asa_attention, asa_decode_step, asa_empty_state, asa_prefill
+from ..ops.asa import ASA_NORMALIZE_MODES, accumulation_dtype, asa_feature_maps
 from ..ops.dispatch import repeat_kv
 from ..parallel import head_sharded_parameter
 from .base import Variant, knob_error
@@ -60,6 +60,21 @@ class ASACoreAttention(SubqCoreAttention):
 
     def attend_packed(self, q, k, v, cu_seqlens):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the state restarts per document
+
+    def new_decode_cache(self, q, k, v, max_length):
+        """(S, z) per query head (``ASAState``): constant size."""
+        return asa_empty_state(q.shape[0], q.shape[2], self.p_q.shape[2], v.shape[3],
+                               device=q.device, dtype=accumulation_dtype(q.dtype))
+
+    def attend_cached(self, q, k, v, cache, start):
+        normalize = self.config.asa_normalize
+        if q.shape[1] == 1:
+            return asa_decode_step(q[:, 0], k[:, 0], v[:, 0], self.p_q, self.p_k, cache,
+                                   normalize=normalize)[:, None]
+        out, state = asa_prefill(q, k, v, self.p_q, self.p_k, normalize=normalize, state=cache,
+                                 impl=self.config.subq_impl)
+        copy_state_(cache, state)
+        return out
 
     def chunk_state(self, q, k, v):
         """(S, z) = (Σ k'ᵀ v, Σ k') of this chunk alone, fp32: additive over chunks."""
@@ -135,4 +150,5 @@ VARIANT = Variant(
     core_flops=core_flops,
     context_parallel="all_to_all",
     state_passing=True,
+    decode_cache="state",
 )

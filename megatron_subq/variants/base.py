@@ -28,6 +28,7 @@ def causal_pairs(L: int) -> int:
 
 CONTEXT_PARALLEL_MODES = ("none", "all_to_all", "state_passing")
 HOSTS = ("gpt", "hybrid")
+DECODE_CACHES = ("none", "kv", "state", "stateless")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class Variant:
     * ``own_input_norm``: it brings its own input norm (the host must not add one).
     * ``hf_param_map(config)``: {megatron parameter name: Hugging Face name} of its own
       parameters, for checkpoint conversion ({} = none yet).
+    * ``decode_cache``: what its layers keep between decoding steps (docs/inference.md):
+      "kv" (a cache of keys/values growing by one entry per token), "state" (a recurrent state
+      of constant size), "stateless" (nothing: no token mixing), "none" (decoding refused).
+      Its core implements ``new_decode_cache`` and ``attend_cached`` (``SubqCoreAttention``).
     """
 
     name: str
@@ -98,6 +103,7 @@ class Variant:
     hosts: Tuple[str, ...] = HOSTS
     own_input_norm: bool = False
     hf_param_map: Callable[..., dict] = _no_params
+    decode_cache: str = "none"
 
     def cp_mode(self, config) -> str:
         """The context-parallel path of this variant's layers under ``config``: its own
@@ -112,6 +118,9 @@ class Variant:
         if self.context_parallel not in CONTEXT_PARALLEL_MODES:
             raise ValueError(f"Variant {self.name!r}: context_parallel={self.context_parallel!r} "
                              f"is invalid: allowed one of {CONTEXT_PARALLEL_MODES}")
+        if self.decode_cache not in DECODE_CACHES:
+            raise ValueError(f"Variant {self.name!r}: decode_cache={self.decode_cache!r} is "
+                             f"invalid: allowed one of {DECODE_CACHES}")
         if not self.hosts or any(h not in HOSTS for h in self.hosts):
             raise ValueError(f"Variant {self.name!r}: hosts={self.hosts!r} is invalid: allowed a "
                              f"non-empty tuple from {HOSTS}")

@@ -148,4 +148,5 @@ VARIANT = Variant(
     derived_knobs=derived_knobs,
     core_flops=core_flops,
     context_parallel="all_to_all",
+    decode_cache="stateless",
 )

@@ -19,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from megatron.core.transformer.attention import SelfAttention
-
-from ..attention import SubqCoreAttention
-from ..ops import nonapprox_attention
+from ..attention import SubqCoreAttention, copy_state_
+from ..ops import (nonapprox_attention, nonapprox_decode_step, nonapprox_empty_state,
+                   nonapprox_prefill)
 from ..ops.dispatch import repeat_kv
-from ..ops.nonapprox import NonapproxState, nonapprox_attention_chunked, token_scores
+from ..ops.nonapprox import (NonapproxState, accumulation_dtype, nonapprox_attention_chunked,
+                             token_scores)
 from .base import Variant
-from .standard import self_attention_spec
+from .standard import SubqSelfAttention, self_attention_spec
 
 
 class NonapproxCoreAttention(SubqCoreAttention):
@@ -40,6 +40,18 @@ class NonapproxCoreAttention(SubqCoreAttention):
 
     def attend(self, q, k, v):
         return nonapprox_attention(q, k, v, impl=self.config.subq_impl)
+
+    def new_decode_cache(self, q, k, v, max_length):
+        """The running softmax (``NonapproxState``) per query head: constant size."""
+        return nonapprox_empty_state(q.shape[0], q.shape[2], v.shape[3], device=q.device,
+                                     dtype=accumulation_dtype(q.dtype))
+
+    def attend_cached(self, q, k, v, cache, start):
+        if q.shape[1] == 1:
+            return nonapprox_decode_step(q[:, 0], k[:, 0], v[:, 0], cache)[:, None]
+        out, state = nonapprox_prefill(q, k, v, state=cache, impl=self.config.subq_impl)
+        copy_state_(cache, state)
+        return out
 
     def chunk_state(self, q, k, v):
         """These tokens' running softmax alone, per query head: (num, den) relative to their
@@ -74,8 +86,8 @@ class NonapproxCoreAttention(SubqCoreAttention):
         return nonapprox_attention_chunked(q, k, v, state=NonapproxState(*state))[0]
 
 
-class NoRopeSelfAttention(SelfAttention):
-    """megatron's ``SelfAttention`` that ignores the rotary embedding it is given."""
+class NoRopeSelfAttention(SubqSelfAttention):
+    """``SubqSelfAttention`` (megatron's) that ignores the rotary embedding it is given."""
 
     def forward(self, hidden_states, attention_mask, key_value_states=None,
                 inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
@@ -110,4 +122,5 @@ VARIANT = Variant(
     core_flops=core_flops,
     context_parallel="all_to_all",
     state_passing=True,
+    decode_cache="state",
 )

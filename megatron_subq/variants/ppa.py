@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..attention import SubqCoreAttention
-from ..ops.ppa import ppa_attention, ppa_offsets, ppa_power_fraction
+from ..attention import KVCache, SubqCoreAttention
+from ..ops.ppa import ppa_attention, ppa_offsets, ppa_power_fraction, ppa_prefill
 from .base import Variant, knob_error
 from .standard import self_attention_spec
 
@@ -26,6 +26,15 @@ class PPACoreAttention(SubqCoreAttention):
 
     def attend_packed(self, q, k, v, cu_seqlens):
         return self.attend(q, k, v, cu_seqlens=cu_seqlens)  # the op restarts at each boundary
+
+    def new_decode_cache(self, q, k, v, max_length):
+        return KVCache.like(k, v, max_length)
+
+    def attend_cached(self, q, k, v, cache, start):
+        """Each query reads its window and power offsets from the KV cache (``ppa_prefill``)."""
+        k_all, v_all = cache.append(k, v, start)
+        return ppa_prefill(q, k_all, v_all, self.config.ppa_power, self.config.ppa_window,
+                           start=start, scale=self.softmax_scale)
 
 
 def attention_spec(config, layer_number: int, provider):
@@ -70,4 +79,5 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     core_flops=core_flops,
     context_parallel="all_to_all",
+    decode_cache="kv",
 )

@@ -41,8 +41,9 @@ from typing import Callable, Optional
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from ..attention import SubqCoreAttention
-from ..ops.sas import SASBranchWeights, sas_simulated_attention
+from ..attention import KVCache, SubqCoreAttention
+from ..ops.sas import SASBranchWeights, sas_expand_qkv, sas_simulated_attention
+from ..ops.standard import standard_prefill
 from ..parallel import (
     head_sharded_parameter,
     sharded_state_dict_with_head_params,
@@ -175,9 +176,6 @@ class SASCoreAttention(SubqCoreAttention):
              for g in range(Hs // H)], dtype=torch.long), persistent=False)
 
     def attend(self, q, k, v):
-        if q.shape[1] != k.shape[1]:
-            raise NotImplementedError("SASCoreAttention: queries and keys of different lengths "
-                                      "(KV-cache decode) are not supported yet")
         B, T = q.shape[:2]
         q_all, k_all, v_all = (_gather_heads(x, self.tp_group) for x in (q, k, v))
         out = sas_simulated_attention(
@@ -185,8 +183,33 @@ class SASCoreAttention(SubqCoreAttention):
             self.k_expansion.local_weights(), self.v_expansion.local_weights(),
             heads=self.owned_heads, scale=self.softmax_scale, impl=self.config.subq_impl)
         # PEAA: this rank's simulated heads are grouped by local output head already
+        return self._peaa(out)
+
+    def _peaa(self, out):
+        B, T = out.shape[:2]
         groups = self.sim_heads // self.num_heads
         return out.view(B, T, self.num_heads_local, groups, out.shape[-1]).mean(dim=3)
+
+    def _expand(self, q, k, v):
+        """This rank's simulated heads of the (TP-gathered) q, k, v: (q̂, k̂, v̂, D̂)."""
+        q_all, k_all, v_all = (_gather_heads(x, self.tp_group) for x in (q, k, v))
+        return sas_expand_qkv(q_all, k_all, v_all, self.q_expansion.local_weights(),
+                              self.k_expansion.local_weights(), self.v_expansion.local_weights(),
+                              heads=self.owned_heads)
+
+    def new_decode_cache(self, q, k, v, max_length):
+        """A KV cache of the expanded keys and values k̂, v̂ of this rank's simulated heads (the
+        expansion is per token, so each token's is computed once)."""
+        _, k_hat, v_hat, _ = self._expand(q, k, v)
+        return KVCache.like(k_hat, v_hat, max_length)
+
+    def attend_cached(self, q, k, v, cache, start):
+        q_hat, k_hat, v_hat, q_dim = self._expand(q, k, v)
+        k_all, v_all = cache.append(k_hat, v_hat, start)
+        scale = 1.0 / math.sqrt(q_dim) if self.softmax_scale is None else self.softmax_scale
+        impl = "reference" if self.config.subq_impl == "reference" else None
+        out = standard_prefill(q_hat, k_all, v_all, start=start, scale=scale, impl=impl)
+        return self._peaa(out)
 
 
 def attention_spec(config, layer_number: int, provider):
@@ -245,4 +268,5 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     resolve=resolve,
     core_flops=core_flops,
+    decode_cache="kv",
 )

@@ -25,8 +25,13 @@ column-parallel ``hidden -> H * D`` projection whose output heads line up with t
   attention logit; an unrotated Q_s would see the absolute position t of the anchor.
 * Init: ``config.init_method``, the scheme of the other query weights (the paper's choice).
 
-Not supported (clear errors): KV-cache inference through megatron's inference context, cross
-attention, attention bias, the output gate, the fused QKV RoPE. Context parallelism: the shared
+* Decoding: a KV cache (K is also the search key, so nothing else is kept), the chunks through
+  ``ops.superlinear_prefill`` and single tokens through ``ops.superlinear_decode_step`` (O(√L)
+  keys read per token at p = 1/2); the inference context reaches the core through
+  ``SubqSelfAttention``, which this module extends.
+
+Not supported (clear errors): cross attention, attention bias, the output gate, the fused QKV
+RoPE. Context parallelism: the shared
 all-to-all path (``SubqCoreAttention``), the search queries riding along their query heads.
 """
 
@@ -39,14 +44,14 @@ from typing import Optional, Tuple, Union
 import numpy as np
 
 import torch
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from ..attention import SubqCoreAttention
-from ..ops import superlinear_attention
+from ..attention import KVCache, SubqCoreAttention
+from ..ops import superlinear_attention, superlinear_decode_step, superlinear_prefill
 from .base import Variant, knob_error
-from .standard import self_attention_spec
+from .standard import SubqSelfAttention, self_attention_spec
 
 
 def superlinear_knobs(config) -> dict:
@@ -74,16 +79,35 @@ class SuperlinearCoreAttention(SubqCoreAttention):
             raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for superlinear: "
                              "allowed None (span attention uses 1/sqrt(kv_channels))")
 
-    def attend(self, q, k, v):
-        """q: [B, T, 2·np, D] (query heads, then the search queries q_s), k/v: [B, T, ng, D]."""
+    def _split(self, q):
         np_ = self.num_heads_local
         if q.shape[2] != 2 * np_:
             raise ValueError(f"SuperlinearCoreAttention: the query must carry {np_} query heads "
                              f"and then their {np_} search_query heads ({2 * np_} in all), got "
                              f"{q.shape[2]}")
-        q, q_s = q[:, :, :np_], q[:, :, np_:]
+        return q[:, :, :np_], q[:, :, np_:]
+
+    def attend(self, q, k, v):
+        """q: [B, T, 2·np, D] (query heads, then the search queries q_s), k/v: [B, T, ng, D]."""
+        q, q_s = self._split(q)
         return superlinear_attention(q, q_s, k, v, **superlinear_knobs(self.config),
                                      impl=self.config.subq_impl)
+
+    def new_decode_cache(self, q, k, v, max_length):
+        return KVCache.like(k, v, max_length)
+
+    def attend_cached(self, q, k, v, cache, start):
+        """One token: ``superlinear_decode_step`` (O(√L) cache rows read); a chunk:
+        ``superlinear_prefill``. Both read the cache buffers up to the chunk's end only."""
+        q, q_s = self._split(q)
+        end = start + q.shape[1]
+        cache.append(k, v, start)
+        knobs = dict(superlinear_knobs(self.config), impl=self.config.subq_impl)
+        if q.shape[1] == 1:
+            return superlinear_decode_step(q[:, 0], q_s[:, 0], cache.k, cache.v, length=end,
+                                           **knobs)[:, None]
+        return superlinear_prefill(q, q_s, cache.k[:, :end], cache.v[:, :end], start=start,
+                                   **knobs)
 
 
 @dataclass
@@ -93,9 +117,9 @@ class SuperlinearSelfAttentionSubmodules(SelfAttentionSubmodules):
     linear_qs: Union[ModuleSpec, type] = None
 
 
-class SuperlinearSelfAttention(SelfAttention):
-    """megatron's ``SelfAttention`` with the search-query projection ``linear_qs``: its forward
-    is megatron's; the search queries ride along the query heads (module docstring)."""
+class SuperlinearSelfAttention(SubqSelfAttention):
+    """``SubqSelfAttention`` (megatron's) with the search-query projection ``linear_qs``: its
+    forward is megatron's; the search queries ride along the query heads (module docstring)."""
 
     def __init__(self, config, submodules: SuperlinearSelfAttentionSubmodules, layer_number: int,
                  attn_mask_type=AttnMaskType.causal, cp_comm_type: Optional[str] = None,
@@ -138,12 +162,11 @@ class SuperlinearSelfAttention(SelfAttention):
     def forward(self, hidden_states, attention_mask, key_value_states=None,
                 inference_context=None, *args, inference_params=None, **kwargs):
         """megatron's ``SelfAttention.forward``, refusing what the module does not support."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("superlinear: megatron's inference context (KV cache) is "
-                                      "not supported by this module yet")
         if key_value_states is not None:
             raise ValueError("superlinear: key_value_states (cross attention) is not supported")
-        return super().forward(hidden_states, attention_mask, None, None, *args, **kwargs)
+        return super().forward(hidden_states, attention_mask, None,
+                               inference_context if inference_context is not None
+                               else inference_params, *args, **kwargs)
 
     def backward_dw(self) -> None:
         super().backward_dw()
@@ -238,4 +261,5 @@ VARIANT = Variant(
     check_knobs=check_knobs,
     core_flops=core_flops,
     context_parallel="all_to_all",
+    decode_cache="kv",
 )
