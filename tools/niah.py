@@ -139,6 +139,8 @@ def cmd_eval(args, parser) -> dict:
     grid = _grid(args, parser, 5) if args.input is None else None
     _check_output(parser, "--output", args.output)
     _check_output(parser, "--plot", args.plot)
+    if args.plot:
+        _need_matplotlib(parser, "--plot")
     if args.max_batch_tokens < 1:
         parser.error(f"--max-batch-tokens {args.max_batch_tokens}: allowed an integer >= 1")
     try:
@@ -219,6 +221,14 @@ def cmd_eval(args, parser) -> dict:
     return result
 
 
+def _need_matplotlib(parser, flag: str) -> None:
+    import importlib.util  # noqa: PLC0415
+
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"{flag} needs matplotlib (pip install matplotlib, or the package's "
+                     "[plots] extra)")
+
+
 def _rank() -> int:
     try:
         import torch.distributed as dist  # noqa: PLC0415
@@ -240,6 +250,7 @@ def cmd_plot(args, parser) -> dict:
             raise ValueError
     except ValueError:
         parser.error(f"--size {args.size!r}: allowed W,H in inches, both > 0 (e.g. 8,6)")
+    _need_matplotlib(parser, "plot")
     if args.dpi < 10:
         parser.error(f"--dpi {args.dpi}: allowed an integer >= 10")
     with open(args.result, encoding="utf-8") as f:

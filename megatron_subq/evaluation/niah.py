@@ -644,7 +644,9 @@ def write_heatmap(result: dict, path: str, figsize: Tuple[float, float] = (8.0, 
     for y in range(len(depths)):
         for x in range(len(lengths)):
             if not np.isnan(grid[y, x]):
-                ax.text(x, y, f"{grid[y, x]:.2f}", ha="center", va="center", fontsize=8)
+                dark = grid[y, x] < 0.2 or grid[y, x] > 0.85  # the ends of RdYlGn
+                ax.text(x, y, f"{grid[y, x]:.2f}", ha="center", va="center", fontsize=9,
+                        color="white" if dark else "black")
     fig.colorbar(im, ax=ax, label="accuracy")
     if title is None:
         ckpt = result.get("checkpoint")
