@@ -144,6 +144,9 @@ def test_bad_flags_are_named(tmp_path, capsys, hf_dir):
                   str(tmp_path / "r.json")], "--load")
     _bad(capsys, ["eval", "--load", str(tmp_path), "--output", str(tmp_path / "r.json")],
          "--lengths")
+    _bad(capsys, ["eval", "--load", str(tmp_path), "--lengths", "600", "--output",
+                  str(tmp_path / "r.json"), "--tensor-model-parallel-size", "0"],
+         "--tensor-model-parallel-size")
     _bad(capsys, ["plot", str(tmp_path / "r.json"), "--output", str(tmp_path / "h.png")],
          "result")
     assert os.listdir(tmp_path) == []

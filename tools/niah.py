@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _grid(args, parser, default_samples: int):
+    if args.skip_documents < 0:
+        parser.error(f"--skip-documents {args.skip_documents}: allowed an integer >= 0")
     try:
         lengths = niah.parse_numbers(args.lengths, "--lengths", doubling=True)
         depths = niah.parse_numbers(args.depths, "--depths")
@@ -111,8 +113,6 @@ def cmd_generate(args, parser) -> dict:
 
     lengths, depths, samples = _grid(args, parser, 1)
     _check_output(parser, "--output", args.output)
-    if args.skip_documents < 0:
-        parser.error(f"--skip-documents {args.skip_documents}: allowed an integer >= 0")
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         niah.check_lengths(tokenizer, lengths, args.needles)
@@ -141,6 +141,9 @@ def cmd_eval(args, parser) -> dict:
     _check_output(parser, "--plot", args.plot)
     if args.plot:
         _need_matplotlib(parser, "--plot")
+    if args.tensor_model_parallel_size < 1:
+        parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: allowed "
+                     "an integer >= 1 that divides the world size")
     if args.max_batch_tokens < 1:
         parser.error(f"--max-batch-tokens {args.max_batch_tokens}: allowed an integer >= 1")
     try:
