@@ -350,17 +350,18 @@ def make_sample(pool: SentencePool, tokenizer, length: int, depth: float, index:
                                                                QUESTION.format(key=keys[0]))
         needle_counts = [count_tokens(tokenizer, t) for t in needle_texts]
         budget = length - fixed - sum(needle_counts) - 4 * attempt
-        sentences, counts = [], []
+        sentences, counts, total = [], [], 0
         i = start
-        while len(sentences) < n_pool and sum(counts) + pool.tokens[i % n_pool] <= budget:
+        while len(sentences) < n_pool and total + pool.tokens[i % n_pool] <= budget:
             sentences.append(pool.sentences[i % n_pool])
             counts.append(pool.tokens[i % n_pool])
+            total += counts[-1]
             i += 1
         # the haystack opens with the last words of the following sentences: they fill, one
         # word at a time, the tokens that whole sentences leave over
         source = " ".join(pool.sentences[(i + k) % n_pool] for k in range(4)).split()
         word_counts = [count_tokens(tokenizer, w) for w in source]
-        spare = budget - sum(counts)
+        spare = budget - total
         j = 0
         while j < len(source) and sum(word_counts[len(source) - j - 1:]) <= spare:
             j += 1
@@ -380,7 +381,7 @@ def make_sample(pool: SentencePool, tokenizer, length: int, depth: float, index:
         if fitted is None:
             continue
         text, starts, ids = fitted
-        # every needle, key and value exactly once (a value could occur in the corpus)
+        # every needle and value exactly once (a value could occur in the corpus)
         if any(text.count(v) != 1 for v in values) or any(text.count(t) != 1
                                                            for t in needle_texts):
             continue
