@@ -27,7 +27,7 @@ setup(
         "zstandard",  # tools/preprocess_data.py reads .jsonl.zst shards (SlimPajama, FineWeb-Edu)
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "tokenizers"],
+        "test": ["pytest", "pytest-timeout", "tokenizers", "matplotlib"],  # NIAH heatmap test
         # --tokenizer-model mistral reads mistral-common's packaged SentencePiece model (only the
         # data file: `pip install --no-deps mistral-common` is enough)
         "tokenizers": ["tokenizers", "mistral-common"],

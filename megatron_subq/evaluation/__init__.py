@@ -1,0 +1,2 @@
+"""Evaluation suites on megatron_subq checkpoints (``niah.py``: RULER-style needle in a
+haystack)."""
