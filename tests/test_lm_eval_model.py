@@ -192,3 +192,27 @@ def test_simple_evaluate_runs_a_local_task_offline(lm, checkpoint, monkeypatch, 
     samples = sorted(out["samples"]["megatron_subq_tiny_mc"], key=lambda s: s["doc_id"])
     for sample, scores in zip(samples, lls):
         assert [r[0][0] for r in sample["resps"]] == pytest.approx(scores, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_command_line_registers_the_model(checkpoint, tmp_path):
+    """`python -m megatron_subq.evaluation.lm_eval` is lm-eval's own command line with
+    ``--model megatron_subq`` known (slow: lm-eval indexes all of its built-in tasks)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    env = {k: v for k, v in os.environ.items()  # not this process's group (its port is taken)
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"),
+               PYTHONPATH=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_subq.evaluation.lm_eval", "--model", "megatron_subq",
+         "--model_args", f"load={checkpoint},batch_size=4", "--tasks", "megatron_subq_tiny_mc",
+         "--include_path", TASKS, "--output_path", str(tmp_path / "out")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "out") for f in fs
+             if f.startswith("results") and f.endswith(".json")]
+    with open(found[0], encoding="utf-8") as f:
+        acc = json.load(f)["results"]["megatron_subq_tiny_mc"]["acc,none"]
+    assert 0.0 <= acc <= 1.0

@@ -58,7 +58,8 @@ class MegatronSubqLM(TemplateLM):
     (default 256, a task's own value wins), ``tensor_model_parallel_size`` (default 1; run under
     torchrun, the world size a multiple of it, the other factor being data parallel),
     ``prefill_chunk`` and ``seed`` (passed to ``generate``); any other key is a trainer argument
-    of the rebuilt model (e.g. ``bf16=True``, ``subq_impl=reference``).
+    of the rebuilt model (e.g. ``bf16=True``, ``subq_impl=reference``). lm-eval's ``device`` is
+    not used: the model is on this rank's GPU when there is one, else on the CPU.
     """
 
     backend = "causal"
@@ -88,9 +89,8 @@ class MegatronSubqLM(TemplateLM):
             raise ValueError(f"seed={seed!r} is invalid: allowed an integer or None")
         self._seed = seed
         runs_on = "cuda" if torch.cuda.is_available() else "cpu"
-        if device is not None and str(device).split(":")[0] != runs_on:
-            raise ValueError(f"device={device!r}: the model runs on {runs_on} (the GPU when "
-                             "there is one; CUDA_VISIBLE_DEVICES= runs it on the CPU)")
+        if device is not None and str(device).split(":")[0] != runs_on:  # lm-eval's CLI: cuda:0
+            log.info("megatron_subq: device=%s ignored; the model runs on %s", device, runs_on)
         unknown = sorted(set(overrides) - _trainer_argument_names())
         if unknown:
             raise ValueError(f"--model_args {', '.join(unknown)}: not arguments of this model "
