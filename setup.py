@@ -36,5 +36,8 @@ setup(
         # checkpoint conversion (megatron_subq.convert, tools/convert_checkpoint.py): native
         # NemotronH starts at transformers 5.3
         "convert": ["transformers>=5.3", "safetensors"],
+        # lm-evaluation-harness model (megatron_subq.evaluation, docs/evaluation.md): the core
+        # package only (its [hf] extra is not needed: the model here is megatron_subq's own)
+        "eval": ["lm_eval==0.4.13"],
     },
 )
