@@ -105,16 +105,13 @@ def test_loglikelihood_rolling_scores_every_token_once(lm):
     assert len(lm.tok_encode(docs[0])) > 2 * SEQ and got[2] == 0.0
 
 
-def greedy_standin(model, prompts, max_new_tokens, *, temperature=0.0, top_k=0, top_p=1.0,
-                   seed=None, eos_id=None, prefill_chunk=None):
-    """Test-only stand-in for megatron_subq.inference.generate: greedy, one full forward pass
-    per new token."""
-    assert temperature == 0.0
+def greedy_by_full_passes(model, prompts, max_new_tokens, *, eos_id=None, vocab_size=None):
+    """The reference of greedy decoding: one full forward pass per new token (no cache)."""
     out = []
     for prompt in prompts:
         seq, new = list(prompt), []
         for _ in range(max_new_tokens):
-            token = int(full_logits(model, torch.tensor([seq]))[0, -1].argmax())
+            token = int(full_logits(model, torch.tensor([seq]))[0, -1, :vocab_size].argmax())
             new.append(token)
             seq.append(token)
             if token == eos_id:
@@ -124,13 +121,13 @@ def greedy_standin(model, prompts, max_new_tokens, *, temperature=0.0, top_k=0, 
 
 
 def test_generate_until_cuts_at_stop_strings(lm, monkeypatch):
-    monkeypatch.setattr(inference, "generate", greedy_standin, raising=False)
+    """The real cached generate equals greedy full passes; stop strings and EOD cut."""
     prompts = ["The cat sat on the", "Once upon a time", "word " * 40, "Hi"]
     free = lm.generate_until([Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 6}),
                                        i) for i, p in enumerate(prompts)], disable_tqdm=True)
     for prompt, text in zip(prompts, free):  # each prompt its own continuation, order kept
         ids = lm.tok_encode(prompt)[-(SEQ - 6):]  # cut from the left to max_length - 6
-        new = greedy_standin(lm.model, [ids], 6)[0]
+        new = greedy_by_full_passes(lm.model, [ids], 6, vocab_size=lm._tokenizer.vocab_size)[0]
         assert text == lm._new_text(ids, new) and len(text) > 0
     text = free[0]
     stop = next(c for c in text[1:] if not c.isspace())

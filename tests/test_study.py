@@ -22,7 +22,8 @@ def test_study_runs_stages_and_plots(tmp_path):
     r = _tool("run", TINY, "--out", out, "--arms", "asa")  # one arm: each launch costs ~10 s
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.load(open(os.path.join(out, "summary.json")))
-    assert sorted(summary) == ["asa.stage1", "asa.stage2"]
+    assert sorted(summary) == ["asa.stage1", "asa.stage2"], open(
+        os.path.join(out, "asa.stage1.log")).read()[-3000:]
     for tag, info in summary.items():
         assert info["exit"] == 0, tag
         stage1 = tag.endswith("stage1")

@@ -95,6 +95,7 @@ def run(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     summary_path = os.path.join(args.out, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else {}
+    failed = []
     for arm in arms:
         for k, cfg in enumerate(arm_configs(study, arm, args.out)):
             tag = os.path.basename(cfg["metrics-file"])[:-len(".jsonl")]
@@ -129,8 +130,11 @@ def run(args) -> int:
             if rc != 0:
                 print(f"{tag} failed (exit {rc}); its log: {args.out}/{tag}.log", flush=True)
                 os.system(f"tail -30 {args.out}/{tag}.log")
-                break
-    return 0
+                failed.append(tag)
+                break  # later stages of this arm need this one; the next arm still runs
+    if failed:
+        print(f"failed: {failed}", flush=True)
+    return 1 if failed else 0
 
 
 def _smooth(values: List[float], window: int) -> List[float]:

@@ -324,7 +324,8 @@ class MegatronSubqLM(TemplateLM):
                 outputs = generate(self.model, [m[1] for m in batch], settings["max_new_tokens"],
                                    temperature=settings["temperature"], top_k=settings["top_k"],
                                    top_p=settings["top_p"], seed=self._seed, eos_id=eod,
-                                   prefill_chunk=self._prefill_chunk)
+                                   prefill_chunk=self._prefill_chunk,
+                                   vocab_size=self._tokenizer.vocab_size)
                 for (i, prompt, _), new in zip(batch, outputs):
                     new = [int(t) for t in new]
                     if eod in new:

@@ -65,7 +65,7 @@ def load_for_inference(load: str, ckpt_step: Optional[int] = None,
     args.expert_model_parallel_size = 1
     args.expert_tensor_parallel_size = None
     args.data_parallel_size = world // tensor_model_parallel_size
-    args.micro_batch_size = args.global_batch_size = args.data_parallel_size
+    args.micro_batch_size, args.global_batch_size = 1, args.data_parallel_size
     args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
     created = initialize_distributed(args)
     model, args = load_converted_model(load, ckpt_step, **overrides)

@@ -65,16 +65,19 @@ def initialize_distributed(args) -> bool:
 
     created = False
     if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a group of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) %
                                   torch.cuda.device_count())
-        dist.init_process_group(
-            args.distributed_backend,
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        if "RANK" not in os.environ:
+            # plain `python pretrain_gpt.py` (or a tool, a test): a group of one on a port of its
+            # own, set in nothing a child process inherits (a RANK/MASTER_PORT left in
+            # os.environ would send a child trainer to this process's port)
+            dist.init_process_group(args.distributed_backend,
+                                    init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(args.distributed_backend, timeout=timeout)
         created = True
     if not torch.cuda.is_available():
         install_cpu_fallbacks()
