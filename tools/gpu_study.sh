@@ -21,4 +21,4 @@ fi
 python3 tools/study.py run "$study" --out "$dest" ${arms:+--arms "$arms"}
 python3 tools/study.py plot "$dest" --output "$dest/loss.png" || true
 # the device tool returns few files: everything of this call as one archive
-tar -czf "$dest.tgz" -C "$(dirname "$dest")" "$(basename "$dest")"
+tar -czf "$dest.tgz" --exclude ckpt -C "$(dirname "$dest")" "$(basename "$dest")"
