@@ -261,3 +261,19 @@ def test_tool_generates_from_a_checkpoint(tiny_checkpoint, tmp_path, capsys):
     assert "1 2 3" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--load", tiny_checkpoint, "--max-new-tokens", "2"])  # no prompt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", DECODING)
+def test_decode_equals_full_forward_on_gpu(one_process, name):
+    """On a GPU, the variants' kernels (where they have one) in bf16: prefill + token-by-token
+    decoding gives the full forward's logits within bf16 rounding, and greedy generation runs."""
+    model = _gpt(name, subq_impl=None, bf16=True,  # subq_impl=None: the kernels where they exist
+                 params_dtype=torch.bfloat16).cuda()
+    tokens = _tokens(length=40).cuda()
+    ref = full_logits(model, tokens)
+    got, _ = _decoded_logits(model, tokens, prompt=17)
+    err = float((got - ref).abs().max() / ref.abs().max())
+    assert err < 3e-2, f"{name}: decode vs full forward relative error {err:.3g}"
+    out = generate(model, [tokens[0, :9].tolist()], 6)
+    assert len(out[0]) == 6
