@@ -25,7 +25,10 @@ import torch
 pytest.importorskip("triton")  # tests/conftest.py sets TRITON_INTERPRET=1 first on the CPU
 
 from megatron_subq import ops  # noqa: E402
-from megatron_subq.kernels.superlinear import superlinear_decode_kernel  # noqa: E402
+from megatron_subq.kernels.superlinear import (  # noqa: E402
+    SuperlinearDecodePlan,
+    superlinear_decode_kernel,
+)
 from megatron_subq.testing.kernels import BOUNDS, DEVICE, rel_rms  # noqa: E402
 from megatron_subq.ops.superlinear import (  # noqa: E402
     anchor_offsets,
@@ -264,6 +267,43 @@ def test_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------------
+# the capturable form: one plan per capacity bucket, integers in a device buffer
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("knobs,chunk", [(dict(sw_index=2, topk=3, forward_factor=1.0), 8),
+                                         (dict(sw_index=1), 16)])
+def test_decode_plan_equals_eager_at_every_length_of_its_bucket(knobs, chunk):
+    """The fixed launches of a plan (bucket-sized grids, extra parts empty) give the eager
+    kernel's output bitwise at every length of the bucket, from one plan reused across lengths
+    (what a replayed graph does), and the full forward's row."""
+    q, q_s, k, v = _inputs(1, 64, 4, 2, 8, seed=5)
+    full = superlinear_attention_reference(q, q_s, k, v, **knobs)
+    plan = SuperlinearDecodePlan(1, 4, 2, 8, capacity=64, dtype=q.dtype, device=q.device,
+                                 **knobs, chunk=chunk, block_n=8)
+    for length in (33, 34, 47, 63, 64):
+        plan.set_length(length)
+        got = plan.run(q[:, length - 1], q_s[:, length - 1], k, v).clone()
+        eager = superlinear_decode_kernel(q[:, length - 1], q_s[:, length - 1], k, v, length,
+                                          **knobs, chunk=chunk, block_n=8)
+        assert torch.equal(got, eager), length
+        assert rel_rms(got, full[:, length - 1]) <= BOUNDS[torch.float32], length
+    small = SuperlinearDecodePlan(1, 4, 2, 8, capacity=1, dtype=q.dtype, device=q.device)
+    small.set_length(1)  # position 0: the window (or, without one, nothing but itself)
+    assert rel_rms(small.run(q[:, 0], q_s[:, 0], k, v), full[:, 0]) <= 1e-5
+
+
+def test_decode_plan_refuses_lengths_outside_its_bucket():
+    plan = SuperlinearDecodePlan(1, 2, 1, 8, capacity=32, dtype=torch.float32, device=DEVICE)
+    for bad in (16, 33, 0, 20.0, True):
+        with pytest.raises(ValueError, match=r"length=.* allowed an integer in \[17, 32\]"):
+            plan.set_length(bad)
+    with pytest.raises(RuntimeError, match="call set_length first"):
+        x = torch.zeros(1, 2, 8)
+        plan.run(x, x, torch.zeros(1, 32, 1, 8), torch.zeros(1, 32, 1, 8))
+    with pytest.raises(ValueError, match="capacity=24 is invalid"):
+        SuperlinearDecodePlan(1, 2, 1, 8, capacity=24, dtype=torch.float32, device=DEVICE)
+
+
+# ------------------------------------------------------------------------------------------
 # GPU scale (skipped without CUDA)
 # ------------------------------------------------------------------------------------------
 def _nemotron_decode_inputs(L, dtype=torch.bfloat16, seed=7):
@@ -313,3 +353,25 @@ def test_prefill_gpu_chunks_nemotron_layout():
                      for a, b in zip(bounds, bounds[1:])], dim=1)
     ref = superlinear_attention_reference(*(x.float() for x in (q, q_s, k, v)), **ISSUE_KNOBS)
     assert rel_rms(got, ref) <= BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_decode_plan_gpu_graph_replays_every_length():
+    """One CUDA graph of a plan's step at 1M capacity (Nemotron layout, bf16, the paper's
+    kernel knobs), replayed after set_length at several lengths of the bucket: the eager
+    kernel's output at each (the same kernels on the same parts: equal)."""
+    from megatron_subq.cuda_graphs import capture_cuda_graph
+
+    L = 1 << 20
+    q, q_s, k, v = _nemotron_decode_inputs(L)
+    plan = SuperlinearDecodePlan(1, 32, 2, 128, capacity=L, dtype=q.dtype, device=q.device,
+                                 **{n: x for n, x in ISSUE_KNOBS.items() if n != "topk"},
+                                 topk=ISSUE_KNOBS["topk"])
+    plan.set_length(L)
+    graph, out = capture_cuda_graph(lambda: plan.run(q, q_s, k, v))
+    for length in (L // 2 + 1, 700_001, L):
+        plan.set_length(length)
+        graph.replay()
+        eager = superlinear_decode_kernel(q, q_s, k, v, length, **ISSUE_KNOBS)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), length

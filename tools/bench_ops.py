@@ -240,6 +240,34 @@ def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
                      {"decode": True, "fwd_min_bytes": sparse_bytes,
                       "keys_per_head": cost["total"]}))
 
+    # the capturable form (kernels.superlinear.SuperlinearDecodePlan): the plan's launches
+    # alone, and a generation step as it would run one, set_length + the captured graph's replay
+    # (host work included: what a decode loop pays per attention layer)
+    from megatron_subq.cuda_graphs import capture_cuda_graph
+    from megatron_subq.kernels.superlinear import SuperlinearDecodePlan
+    from megatron_subq.ops.superlinear import capacity_bucket
+
+    for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
+        plan = SuperlinearDecodePlan(B, H, H_kv, D, capacity_bucket(T), dtype, q.device,
+                                     **knobs, chunk=chunk)
+        plan.set_length(T)
+        eager = superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk)
+        if not torch.equal(plan.run(q, q_s, k_cache, v_cache), eager):
+            raise AssertionError(f"decode plan != eager kernel at T={T}, chunk={chunk}")
+
+        def launches(plan=plan):
+            plan.run(q, q_s, k_cache, v_cache)
+
+        graph, _ = capture_cuda_graph(launches)
+
+        def step(plan=plan, graph=graph):
+            plan.set_length(T)
+            graph.replay()
+
+        info = {"decode": True, "fwd_min_bytes": sparse_bytes, "keys_per_head": cost["total"]}
+        rows.append((f"superlinear_decode_plan[chunk={chunk}]", launches, None, dict(info)))
+        rows.append((f"superlinear_decode_graph_step[chunk={chunk}]", step, None, dict(info)))
+
     # dense decode: its own copy of the cache in SDPA's layout (not counted in the timing)
     k_dense, v_dense = (x.transpose(1, 2).contiguous() for x in (k_cache, v_cache))
     q_dense = q[:, :, None]  # [B, H, 1, D]

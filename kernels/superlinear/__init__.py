@@ -21,6 +21,7 @@ from ..lazy import lazy_attributes
 # when first asked for.
 _LAZY = {
     "superlinear_decode_kernel": ".decode",
+    "SuperlinearDecodePlan": ".decode",
     "LaunchConfig": ".launch",
     "SuperlinearSpanFunction": ".function",
     "launch_config": ".launch",

@@ -23,7 +23,15 @@ and its reads of the cache):
 
 Everything position-dependent (offsets table, #candidates, window, span extents) is integer
 arithmetic on the host (``ops.superlinear``); the offset table lives on the device once per
-capacity bucket (next power of two of the length), so a step makes no host-to-device copy.
+capacity bucket (next power of two of the length). Two host forms:
+
+* ``superlinear_decode_kernel`` (eager, what the op calls): the step's integers are launch
+  arguments and the grids fit the step; no host-to-device copy.
+* ``SuperlinearDecodePlan`` (CUDA-graph capturable): the integers sit in a device buffer the
+  kernels read (``GEO_BUF``), written by ``set_length`` with one small copy before each replay;
+  grids, part layout and work buffers are fixed for a whole capacity bucket, so one captured
+  graph serves every length of the bucket. A captured step costs its kernels' time and one
+  graph launch instead of three launches, the allocations and their host work.
 """
 
 from __future__ import annotations
@@ -41,9 +49,12 @@ from .plan import anchor_offsets, capacity_bucket, ceil_power, ceil_times, super
 
 
 @triton.jit
-def decode_search_kernel(QS, K, OFF, SCORES, POS, A, A_STRIDE, H, GROUP, D,
+def decode_search_kernel(QS, K, OFF, SCORES, GEO, POS, A, A_STRIDE, H, GROUP, D,
                          s_qb, s_qh, s_kb, s_kt, s_kh,
-                         BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr):
+    if GEO_BUF:  # the step's integers from the device (a captured graph's launches are fixed)
+        POS = tl.load(GEO + 0)
+        A = tl.load(GEO + 1)
     pid_a = tl.program_id(0)
     pid_bk = tl.program_id(1)
     h_kv = H // GROUP
@@ -65,11 +76,17 @@ def decode_search_kernel(QS, K, OFF, SCORES, POS, A, A_STRIDE, H, GROUP, D,
 
 
 @triton.jit
-def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S,
+def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S, GEO,
                          POS, A, A_STRIDE, H, GROUP, D, WIN_LO, BACK, FWD, N_WIN, N_SPAN, NPART,
                          scale, s_qb, s_qh, s_kb, s_kt, s_kh,
                          TOPK: tl.constexpr, BLOCK_ALL: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr):
+    if GEO_BUF:  # N_WIN, N_SPAN, NPART are then the bucket's largest: extra parts are empty
+        POS = tl.load(GEO + 0)
+        A = tl.load(GEO + 1)
+        WIN_LO = tl.load(GEO + 2)
+        BACK = tl.load(GEO + 3)
+        FWD = tl.load(GEO + 4)
     j = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -229,6 +246,62 @@ def decode_chunk_default() -> int:
     return 16 if triton_interpreting() else 512  # keys per split-K part
 
 
+def _layout(geo: dict, chunk: int, topk: int) -> Tuple[int, int, int]:
+    """(window parts, parts per span, all parts) of a step's split-K layout."""
+    n_win = triton.cdiv(geo["pos"] - geo["win_lo"] + 1, chunk)
+    n_span = max(1, triton.cdiv(geo["back"] + geo["fwd"] + 1, chunk))
+    return n_win, n_span, n_win + topk * n_span
+
+
+def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chunk, block_n,
+            scores, part_m, part_l, part_o, sel_s, geo_buf):
+    """The three launches of one step. ``geo_buf`` None: the step's integers (``geo``) are kernel
+    arguments and the grids fit them; a device int32 tensor [5] (pos, candidates, window start,
+    back, forward): the kernels read them there, and grids and part layout are ``a_stride`` /
+    ``n_win`` / ``n_span`` as given (a bucket's largest), so the launches are the same at every
+    length of the bucket and a CUDA graph can replay them."""
+    B, H, D = q.shape
+    H_kv = k.shape[2]
+    block_d = max(16, triton.next_power_of_2(D))
+    n_part = n_win + topk * n_span
+    from_buf = geo_buf is not None
+    geo_t = geo_buf if from_buf else offsets  # any pointer: not read without GEO_BUF
+    n_cand = a_stride if from_buf else geo["candidates"]  # search blocks: all of the bucket
+    # from the buffer: constant (unread) arguments, so Triton's value specialisations never
+    # change between lengths and the launches stay the same kernels
+    ints = dict(POS=0, A=0, WIN_LO=0, BACK=0, FWD=0) if from_buf else dict(
+        POS=geo["pos"], A=geo["candidates"], WIN_LO=geo["win_lo"], BACK=geo["back"],
+        FWD=geo["fwd"])
+    if n_cand > 0:
+        block_a = 64 if not triton_interpreting() else 16
+        decode_search_kernel[(triton.cdiv(n_cand, block_a), B * H_kv)](
+            QS=q_s, K=k, OFF=offsets, SCORES=scores, GEO=geo_t, POS=ints["POS"], A=ints["A"],
+            A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D, s_qb=q_s.stride(0),
+            s_qh=q_s.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2),
+            BLOCK_A=block_a, BLOCK_D=block_d, GEO_BUF=from_buf, num_warps=4)
+    decode_attend_kernel[(n_part, B * H)](
+        Q=q, K=k, V=v, SCORES=scores, OFF=offsets, PART_M=part_m, PART_L=part_l, PART_O=part_o,
+        SEL_S=sel_s, GEO=geo_t, **ints, A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D,
+        N_WIN=n_win, N_SPAN=n_span, NPART=n_part, scale=1.0 / math.sqrt(D), s_qb=q.stride(0),
+        s_qh=q.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=topk,
+        BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
+        BLOCK_D=block_d, GEO_BUF=from_buf, num_warps=4)
+    decode_combine_kernel[(B * H,)](
+        PART_M=part_m, PART_L=part_l, PART_O=part_o, SEL_S=sel_s, O=out, H=H, D=D, N_WIN=n_win,
+        N_SPAN=n_span, NPART=n_part, s_ob=out.stride(0), s_oh=out.stride(1), TOPK=topk,
+        TOPK_PAD=max(2, triton.next_power_of_2(topk)), BLOCK_P=16 if triton_interpreting() else 32,
+        BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def _work_buffers(BH: int, a_stride: int, n_part: int, D: int, topk: int, device):
+    f32 = dict(dtype=torch.float32, device=device)
+    part_m = torch.empty(BH, n_part, **f32)
+    return dict(scores=torch.empty(BH, a_stride, **f32), part_m=part_m,
+                part_l=torch.empty_like(part_m), part_o=torch.empty(BH, n_part, D, **f32),
+                sel_s=torch.empty(BH, topk, **f32))
+
+
 @torch.no_grad()
 def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_power=0.5,
                               span_power=0.5, topk=2, backward_factor=2.0, forward_factor=0.0,
@@ -237,11 +310,12 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
     """``ops.superlinear_decode_step`` on the kernels (arguments checked by the op).
 
     q, q_s: [B, H, D]; k_cache, v_cache: [B, L, H_kv, D] with positions [0, length) filled (only
-    O(sqrt(length)) rows of them are read). Returns [B, H, D] in q's dtype.
+    O(sqrt(length)) rows of them are read). Returns [B, H, D] in q's dtype. Eager: the step's
+    integers are launch arguments and the grids fit this length (``SuperlinearDecodePlan`` is
+    the form a CUDA graph captures).
     """
     out_dtype = q.dtype
     B, H, D = q.shape
-    H_kv = k_cache.shape[2]
     k, v = k_cache, v_cache
     if out_dtype == torch.bfloat16 and triton_interpreting():
         # the interpreter (numpy) has no bf16: run on fp32 copies there only (CPU tests)
@@ -254,37 +328,78 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
     _, offsets = decode_offsets(capacity_bucket(length), search_power, sw_index, q.device)
     chunk = chunk or decode_chunk_default()
     block_n = block_n or min(chunk, 16 if triton_interpreting() else 64)
-    block_d = max(16, triton.next_power_of_2(D))
-    pos, n_cand, a_stride = geo["pos"], geo["candidates"], geo["a_stride"]
-    win_len = pos - geo["win_lo"] + 1
-    n_win = triton.cdiv(win_len, chunk)
-    n_span = max(1, triton.cdiv(geo["back"] + geo["fwd"] + 1, chunk))
-    n_part = n_win + topk * n_span
-    dev = q.device
+    n_win, n_span, n_part = _layout(geo, chunk, topk)
+    work = _work_buffers(B * H, geo["a_stride"], n_part, D, topk, q.device)
+    out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
+    return _launch(q, q_s, k, v, out, geo, offsets, geo["a_stride"], n_win, n_span, topk, chunk,
+                   block_n, geo_buf=None, **work)
 
-    scores = torch.empty(B * H, a_stride, dtype=torch.float32, device=dev)
-    if n_cand > 0:
-        block_a = 64 if not triton_interpreting() else 16
-        decode_search_kernel[(triton.cdiv(n_cand, block_a), B * H_kv)](
-            QS=q_s, K=k, OFF=offsets, SCORES=scores, POS=pos, A=n_cand, A_STRIDE=a_stride, H=H,
-            GROUP=H // H_kv, D=D, s_qb=q_s.stride(0), s_qh=q_s.stride(1), s_kb=k.stride(0),
-            s_kt=k.stride(1), s_kh=k.stride(2), BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4)
-    part_m = torch.empty(B * H, n_part, dtype=torch.float32, device=dev)
-    part_l = torch.empty_like(part_m)
-    part_o = torch.empty(B * H, n_part, D, dtype=torch.float32, device=dev)
-    sel_s = torch.empty(B * H, topk, dtype=torch.float32, device=dev)
-    decode_attend_kernel[(n_part, B * H)](
-        Q=q, K=k, V=v, SCORES=scores, OFF=offsets, PART_M=part_m, PART_L=part_l, PART_O=part_o,
-        SEL_S=sel_s, POS=pos, A=n_cand, A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D,
-        WIN_LO=geo["win_lo"], BACK=geo["back"], FWD=geo["fwd"], N_WIN=n_win, N_SPAN=n_span,
-        NPART=n_part, scale=1.0 / math.sqrt(D), s_qb=q.stride(0), s_qh=q.stride(1),
-        s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=topk,
-        BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
-        BLOCK_D=block_d, num_warps=4)
-    out = torch.empty(B, H, D, dtype=out_dtype, device=dev)
-    decode_combine_kernel[(B * H,)](
-        PART_M=part_m, PART_L=part_l, PART_O=part_o, SEL_S=sel_s, O=out, H=H, D=D, N_WIN=n_win,
-        N_SPAN=n_span, NPART=n_part, s_ob=out.stride(0), s_oh=out.stride(1), TOPK=topk,
-        TOPK_PAD=max(2, triton.next_power_of_2(topk)), BLOCK_P=16 if triton_interpreting() else 32,
-        BLOCK_D=block_d, num_warps=4)
-    return out
+
+class SuperlinearDecodePlan:
+    """Decode steps at every length of one capacity bucket (C/2, C] (C a power of two) with
+    fixed launches: the form a CUDA graph captures and replays.
+
+    ``set_length(L)`` writes the step's integers (position, #candidates, window start, span
+    extents: ``decode_geometry``, exact integer arithmetic on the host) into a device buffer
+    with one host-to-device copy; ``run(q, q_s, k_cache, v_cache)`` launches the three kernels
+    with grids and a part layout sized for the bucket's largest step (parts beyond a step's own
+    are empty and merge as nothing), writes into ``self.out`` [B, H, D] and returns it. Every
+    buffer is allocated here once, so ``run`` allocates nothing and syncs nothing. Results equal
+    ``superlinear_decode_kernel`` at the same length bitwise (same parts, same merge order; the
+    empty parts add exact zeros). Call ``set_length`` before each replay, outside the graph.
+    """
+
+    def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device, search_power=0.5, span_power=0.5, topk=2,
+                 backward_factor=2.0, forward_factor=0.0, sw_index=0,
+                 chunk: Optional[int] = None, block_n: Optional[int] = None):
+        if capacity < 1 or capacity & (capacity - 1):
+            raise ValueError(f"SuperlinearDecodePlan: capacity={capacity} is invalid: allowed a "
+                             "power of two >= 1 (capacity_bucket(length))")
+        if heads % kv_heads:
+            raise ValueError(f"SuperlinearDecodePlan: heads={heads} is not a multiple of "
+                             f"kv_heads={kv_heads}")
+        self.capacity = capacity
+        self.knobs = dict(search_power=search_power, span_power=span_power,
+                          backward_factor=backward_factor, forward_factor=forward_factor,
+                          sw_index=sw_index)
+        self.topk = topk
+        self.chunk = chunk or decode_chunk_default()
+        self.block_n = block_n or min(self.chunk, 16 if triton_interpreting() else 64)
+        _, self.offsets = decode_offsets(capacity, search_power, sw_index, device)
+        largest = decode_geometry(capacity, **self.knobs)  # spans and window only grow with i
+        self.a_stride = largest["a_stride"]
+        w = superlinear_window(search_power, sw_index)
+        self.n_win = triton.cdiv(min(w, capacity), self.chunk) if w > 0 else 0
+        self.n_span = _layout(largest, self.chunk, topk)[1]
+        n_part = self.n_win + topk * self.n_span
+        self.work = _work_buffers(batch * heads, self.a_stride, n_part, head_dim, topk, device)
+        self.out = torch.empty(batch, heads, head_dim, dtype=dtype, device=device)
+        self.geo = torch.zeros(5, dtype=torch.int32, device=device)
+        self._geo = None
+        self.length = None
+
+    def set_length(self, length: int) -> None:
+        """The next ``run`` computes the query at position length - 1 over keys [0, length)."""
+        if not isinstance(length, int) or isinstance(length, bool) or \
+                capacity_bucket(max(1, length)) != self.capacity or length < 1:
+            raise ValueError(f"SuperlinearDecodePlan.set_length: length={length!r} is invalid: "
+                             f"allowed an integer in [{self.capacity // 2 + 1}, {self.capacity}]"
+                             " (this plan's capacity bucket; 1 for capacity 1)")
+        geo = decode_geometry(length, **self.knobs)
+        self._geo = geo
+        self.length = length
+        host = torch.tensor([geo["pos"], geo["candidates"], geo["win_lo"], geo["back"],
+                             geo["fwd"]], dtype=torch.int32)
+        self.geo.copy_(host.pin_memory() if self.geo.is_cuda else host,
+                       non_blocking=self.geo.is_cuda)
+
+    @torch.no_grad()
+    def run(self, q, q_s, k_cache, v_cache):
+        """One step (q, q_s [B, H, D]; caches [B, L >= length, H_kv, D], the layouts the plan
+        was made for) into ``self.out``; launches only."""
+        if self._geo is None:
+            raise RuntimeError("SuperlinearDecodePlan.run: call set_length first")
+        return _launch(q, q_s, k_cache, v_cache, self.out, None, self.offsets,
+                       self.a_stride, self.n_win, self.n_span, self.topk, self.chunk,
+                       self.block_n, geo_buf=self.geo, **self.work)
