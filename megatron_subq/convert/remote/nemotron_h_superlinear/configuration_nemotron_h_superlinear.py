@@ -19,7 +19,7 @@ from transformers import NemotronHConfig
 class NemotronHSuperlinearConfig(NemotronHConfig):
     """``NemotronHConfig`` + Superlinear knobs (module docstring). Defaults are megatron_subq's:
     search power p = 1/2, span power 1/2, top-2 anchors, backward factor 2, forward factor 0,
-    window index 0 (no sliding window)."""
+    window index 32 (w = 1088 keys at p = 1/2, the paper's)."""
 
     model_type = "nemotron_h_superlinear"
 
@@ -28,7 +28,7 @@ class NemotronHSuperlinearConfig(NemotronHConfig):
     superlinear_topk: int = 2
     superlinear_backward_factor: float = 2.0
     superlinear_forward_factor: float = 0.0
-    superlinear_sw_index: int = 0
+    superlinear_sw_index: int = 32
     # the knobs break random context access knowingly (megatron_subq's config refuses otherwise)
     superlinear_allow_no_random_access: bool = False
     # 0-based layer indices of the Superlinear attention layers; None: every attention layer
