@@ -454,8 +454,11 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     folder ``hf_out`` (new or empty): safetensors shards of at most ``max_shard_size`` (+ index),
     config.json, and the tokenizer files an import kept. The architecture is the one of
     ``hf_config`` (a config.json; default: the one an import stored in ``load``), else inferred
-    from the model's flags. Refuses a model with a non-standard attention layer, naming the
-    layers. Errors name the flag, file or field, before anything is written."""
+    from the model's flags. A NemotronH model with Superlinear '*' slots is written for the
+    remote code the project ships (``convert/remote``: files copied in, ``auto_map``; load with
+    ``trust_remote_code=True``); a layer of any variant its family cannot write (``Family.
+    hf_variants``) is refused, naming the layers. Errors name the flag, file or field, before
+    anything is written."""
     from ..training.checkpointing import (  # noqa: PLC0415
         checkpoint_folder,
         layer_variants,
