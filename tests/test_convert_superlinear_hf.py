@@ -154,6 +154,11 @@ def test_import_of_the_export_copies_q_s_and_round_trips_bitwise(work):
     assert sorted(before) == sorted(after)
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    # imported as standard: the search projections have no place and are dropped, by name
+    plain = import_hf(str(root / "out"), str(root / "plain"), attention_variant="standard",
+                      **QUIET)
+    assert plain.created == [] and plain.dropped == [
+        "backbone.layers.1.mixer.qs_proj.weight", "backbone.layers.5.mixer.qs_proj.weight"]
 
 
 def test_partial_superlinear_layers_round_trip(work, tmp_path):

@@ -233,15 +233,22 @@ def _hf_param_maps(args, config, layers: List[Optional[str]], reader,
                    prefix: str = "model.layers.{i}.") -> List:
     """The variants' own ``hf_param_map`` entries the HF folder holds: names relative to layer
     i's attention slot (``decoder.layers.i.self_attention.``) and to the HF layer (the family's
-    ``hf_layer_prefix``); layers without an attention slot (None: a hybrid's M/-/E) have none."""
+    ``hf_layer_prefix``); layers without an attention slot (None: a hybrid's M/-/E) have none.
+    Every variant's entries are looked up at every attention layer: those of a variant the layer
+    does not use have no target there and are dropped by the import (e.g. the ``qs_proj`` of a
+    Superlinear folder imported as standard), not refused as tensors without a place."""
     from ..variants import VARIANTS  # noqa: PLC0415
     from .families.base import TensorMap  # noqa: PLC0415
 
+    entries = {}
+    for variant in VARIANTS.values():
+        for meg, hf in (variant.hf_param_map(config) or {}).items():
+            entries.setdefault(hf, meg)
     maps = []
     for i, name in enumerate(layers):
         if name is None:
             continue
-        for meg, hf in (VARIANTS[name].hf_param_map(config) or {}).items():
+        for hf, meg in entries.items():
             hf_name = prefix.format(i=i) + hf
             if hf_name in reader.weight_map:
                 maps.append(TensorMap(f"decoder.layers.{i}.self_attention.{meg}", (hf_name,),
