@@ -9,7 +9,8 @@ inter-chunk recurrence is wrong (transformers #47246: sequences here stay within
 * import at TP=1: the hybrid host's logits (float32, the PyTorch mixer) equal HF's; export gives
   bitwise-identical tensors, in the hub layout, that transformers loads natively;
 * an import as superlinear keeps every pretrained tensor bitwise, creates exactly one
-  ``linear_qs.weight`` per '*' slot, and trains 3 steps with the trainer (one process);
+  ``linear_qs.weight`` per '*' slot, trains 3 steps with the trainer (one process), and the
+  trained run exports for the remote code (tests/test_convert_superlinear_hf.py checks it);
 * a config.json field the host cannot represent fails naming it, writing nothing.
 """
 
@@ -115,9 +116,13 @@ def test_superlinear_surgery_keeps_tensors_creates_linear_qs_and_trains(work):
     assert run["loaded_iteration"] == 0
     losses = list(run["iterations"].values())
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), run
-    with pytest.raises(ValueError, match=r"layer\(s\) 2 \(superlinear\)"):
-        export_hf(str(root / "sl"), str(root / "sl-out"), **QUIET)
-    assert not os.path.exists(root / "sl-out")
+    # the trained run's folder keeps no hf_config.json: the family comes from its flags, the
+    # Superlinear layers go to the shipped remote code (tests/test_convert_superlinear_hf.py)
+    out = export_hf(str(root / "sl-trained"), str(root / "sl-out"), **QUIET)
+    assert "backbone.layers.1.mixer.qs_proj.weight" in out.copied
+    config = json.load(open(root / "sl-out" / "config.json"))
+    assert config["architectures"] == ["NemotronHSuperlinearForCausalLM"]
+    assert config["superlinear_layers"] == [1]
 
 
 @pytest.mark.parametrize("field,value", [

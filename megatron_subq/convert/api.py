@@ -13,8 +13,10 @@ TP/PP are checked (heads, groups, widths, vocabulary, layers divide) and written
 end: a failure leaves nothing in ``save``.
 
 **Export** loads a checkpoint (``--ckpt-step`` or the tracker's) at TP=1/PP=1 and writes HF
-safetensors shards + index + config.json that ``transformers`` loads without custom code; models
-with a non-``standard`` attention layer are refused, naming the layers.
+safetensors shards + index + config.json that ``transformers`` loads without custom code; a
+NemotronH model with Superlinear '*' slots is written for the remote code the project ships
+(``convert/remote/``: its files copied in, ``auto_map``, ``trust_remote_code=True``); models with
+any other non-``standard`` attention layer are refused, naming the layers.
 
 Memory: HF tensors are read one at a time (memory-mapped); the host model is materialised once,
 in the checkpoint's dtype, so the peak is about one model plus one tensor (import) or one model
@@ -231,15 +233,22 @@ def _hf_param_maps(args, config, layers: List[Optional[str]], reader,
                    prefix: str = "model.layers.{i}.") -> List:
     """The variants' own ``hf_param_map`` entries the HF folder holds: names relative to layer
     i's attention slot (``decoder.layers.i.self_attention.``) and to the HF layer (the family's
-    ``hf_layer_prefix``); layers without an attention slot (None: a hybrid's M/-/E) have none."""
+    ``hf_layer_prefix``); layers without an attention slot (None: a hybrid's M/-/E) have none.
+    Every variant's entries are looked up at every attention layer: those of a variant the layer
+    does not use have no target there and are dropped by the import (e.g. the ``qs_proj`` of a
+    Superlinear folder imported as standard), not refused as tensors without a place."""
     from ..variants import VARIANTS  # noqa: PLC0415
     from .families.base import TensorMap  # noqa: PLC0415
 
+    entries = {}
+    for variant in VARIANTS.values():
+        for meg, hf in (variant.hf_param_map(config) or {}).items():
+            entries.setdefault(hf, meg)
     maps = []
     for i, name in enumerate(layers):
         if name is None:
             continue
-        for meg, hf in (VARIANTS[name].hf_param_map(config) or {}).items():
+        for hf, meg in entries.items():
             hf_name = prefix.format(i=i) + hf
             if hf_name in reader.weight_map:
                 maps.append(TensorMap(f"decoder.layers.{i}.self_attention.{meg}", (hf_name,),
@@ -452,8 +461,11 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     folder ``hf_out`` (new or empty): safetensors shards of at most ``max_shard_size`` (+ index),
     config.json, and the tokenizer files an import kept. The architecture is the one of
     ``hf_config`` (a config.json; default: the one an import stored in ``load``), else inferred
-    from the model's flags. Refuses a model with a non-standard attention layer, naming the
-    layers. Errors name the flag, file or field, before anything is written."""
+    from the model's flags. A NemotronH model with Superlinear '*' slots is written for the
+    remote code the project ships (``convert/remote``: files copied in, ``auto_map``; load with
+    ``trust_remote_code=True``); a layer of any variant its family cannot write (``Family.
+    hf_variants``) is refused, naming the layers. Errors name the flag, file or field, before
+    anything is written."""
     from ..training.checkpointing import (  # noqa: PLC0415
         checkpoint_folder,
         layer_variants,
@@ -471,11 +483,9 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
                                 "folder holding latest_checkpointed_iteration.txt and iter_*)")
     saved = saved_args(folder)
     layers = layer_variants(saved) or []
-    odd = [f"{i + 1} ({v})" for i, v in enumerate(layers) if v not in ("standard", None)]
-    if odd or not layers:
-        raise ValueError(f"--load {load}: only models whose every attention layer is 'standard' "
-                         "export to Hugging Face; layer(s) " + (", ".join(odd) or "unresolved")
-                         + " are not")
+    if not layers:
+        raise ValueError(f"--load {load}: the checkpoint's attention layers do not resolve "
+                         "(--attention-variant / --layer-pattern / --num-layers)")
     args, vocab = checkpoint_namespace(saved, folder)
     args = _one_rank_copy(args)
     cfg_path = hf_config or os.path.join(load, HF_CONFIG)
@@ -494,6 +504,13 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
         raise ValueError(f"--load {load}: no Hugging Face family has --add-qkv-bias "
                          f"{args.add_qkv_bias} with --qk-layernorm {args.qk_layernorm}; give "
                          "--hf-config")
+    odd = [f"{i + 1} ({v})" for i, v in enumerate(layers)
+           if v is not None and v not in family.hf_variants]
+    if odd:
+        allowed = " or ".join(repr(v) for v in family.hf_variants)
+        raise ValueError(f"--load {load}: only models whose every attention layer is {allowed} "
+                         f"export to Hugging Face as {family.name}; layer(s) " + ", ".join(odd)
+                         + " are not")
     cfg = family.hf_config(args, vocab, base)
     maps = family.tensor_maps(args, vocab)
     config = _build_config(args)
@@ -504,6 +521,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
             _load_weights(model, load, ckpt_step)
             state = {k: v for k, v in model.state_dict().items()
                      if not k.endswith("_extra_state")}
+            maps = maps + _variant_maps(config, layers, state, family.hf_layer_prefix)
             known = {tm.megatron for tm in maps}
             unknown = sorted(set(state) - known)
             if unknown:
@@ -518,7 +536,7 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
                         (lambda tm=tm, t=t, j=j: tm.to_hf(t)[j])))
             files = hf_io.write_safetensors(planned, tmp, max_bytes,
                                             progress=_progress(progress, "export"))
-        _write_hf_config(tmp, cfg, family)
+        code = _write_hf_config(tmp, cfg, family)
         side = os.path.join(load, HF_FILES)
         if os.path.isdir(side):
             for n in os.listdir(side):
@@ -532,21 +550,48 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
     summary.nbytes = sum(p.nbytes for p in planned)
     summary.seconds = time.perf_counter() - start
     log(summary.text())
-    log(f"wrote {', '.join(files)} and config.json to {os.path.abspath(hf_out)}")
+    log(f"wrote {', '.join(files + code)} and config.json to {os.path.abspath(hf_out)}")
     return summary
 
 
-def _write_hf_config(folder: str, cfg: dict, family: Family) -> None:
+def _variant_maps(config, layers: List[Optional[str]], state: dict, prefix: str) -> List:
+    """Export maps of the variants' own tensors (``Variant.hf_param_map``: e.g. Superlinear's
+    ``linear_qs`` -> ``mixer.qs_proj``), copied as they are, for the tensors the model has."""
+    from ..variants import VARIANTS  # noqa: PLC0415
+    from .families.base import copy  # noqa: PLC0415
+
+    maps = []
+    for i, name in enumerate(layers):
+        if name is None:
+            continue
+        for meg, hf in (VARIANTS[name].hf_param_map(config) or {}).items():
+            full = f"decoder.layers.{i}.self_attention.{meg}"
+            if full in state:
+                maps.append(copy(full, prefix.format(i=i) + hf, tuple(state[full].shape), i,
+                                 "attention"))
+    return maps
+
+
+def _write_hf_config(folder: str, cfg: dict, family: Family) -> List[str]:
     """config.json through transformers' own config class when installed (so the file is what
-    that version writes and reads), else as given."""
+    that version writes and reads), else as given. A ``model_type`` the project ships remote
+    code for (``convert/remote``: NemotronH with Superlinear layers) is written through that
+    config class, and its modeling files are copied beside it; returns their names."""
+    from .remote import REMOTE_CODE, config_class, copy_code  # noqa: PLC0415
+
+    model_type = cfg.get("model_type", family.model_type)
     try:
         from transformers import AutoConfig  # noqa: PLC0415
     except ImportError:
         with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2, sort_keys=True)
-        return
-    values = {k: _json_floats(v) for k, v in cfg.items() if k != "model_type"}
-    AutoConfig.for_model(family.model_type, **values).save_pretrained(folder)
+    else:
+        values = {k: _json_floats(v) for k, v in cfg.items() if k != "model_type"}
+        if model_type in REMOTE_CODE:
+            config_class(model_type)(**values).save_pretrained(folder)
+        else:
+            AutoConfig.for_model(model_type, **values).save_pretrained(folder)
+    return copy_code(model_type, folder) if model_type in REMOTE_CODE else []
 
 
 def _json_floats(value):

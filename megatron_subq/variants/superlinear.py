@@ -243,6 +243,13 @@ def superlinear_pairs(cfg, L: int) -> Tuple[float, float]:
     return float(candidates.sum()), float(keys.sum())
 
 
+def hf_param_map(config) -> dict:
+    """``linear_qs`` <-> ``mixer.qs_proj`` (under ``backbone.layers.i.``) in the hybrid host: the
+    name of the Hugging Face remote code megatron_subq ships for NemotronH with Superlinear
+    layers (convert/remote/). The GPT families have no Superlinear HF code: none there."""
+    return {"linear_qs.weight": "mixer.qs_proj.weight"} if config.is_hybrid else {}
+
+
 def core_flops(config, L: int) -> float:
     """The search projection Q_s (hidden -> H*D), the search scores and the attended keys."""
     H, D = config.num_attention_heads, config.kv_channels
@@ -262,4 +269,5 @@ VARIANT = Variant(
     core_flops=core_flops,
     context_parallel="all_to_all",
     decode_cache="kv",
+    hf_param_map=hf_param_map,
 )

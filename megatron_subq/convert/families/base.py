@@ -120,3 +120,6 @@ class Family:
     hf_layer_prefix: str = "model.layers.{i}."
     # the trainer script of this family's host (printed after an import)
     script: str = "examples/pretrain_gpt.py"
+    # the attention variants an export can write (their own tensors: ``hf_param_map``); the
+    # others are refused by name. NemotronH: standard and superlinear (shipped remote code)
+    hf_variants: Tuple[str, ...] = ("standard",)

@@ -6,6 +6,15 @@ The hub layout (``backbone.*``, one module per routed expert; transformers >= 5.
 or biases (*), a squared-ReLU MLP (-) or a MoE with a sigmoid router, an expert bias and one
 shared expert (E). The Mamba tensors keep HF's order (in_proj [z|x|B|C|dt], conv1d [x|B|C]); the
 mixer's sharded state dict splits them per component, so the TP=1 import loads at any TP.
+
+Superlinear '*' slots: ``NemotronHSuperlinearForCausalLM`` (``model_type:
+nemotron_h_superlinear``), the remote code megatron_subq ships (``convert/remote/``), is the same
+layout plus ``backbone.layers.i.mixer.qs_proj.weight`` (megatron's
+``self_attention.linear_qs.weight``, the variant's ``hf_param_map``) in the Superlinear layers,
+and the knobs in config.json (``superlinear_*``, the trainer's names; ``superlinear_layers``: the
+0-based indices of the Superlinear layers). Import reads them into ``--attention-variant
+superlinear`` (``--layer-pattern`` when only some '*' slots are Superlinear) and the knobs; export
+writes them, with ``auto_map`` pointing at the shipped files (copied by ``api.export_hf``).
 """
 
 from __future__ import annotations
@@ -26,6 +35,19 @@ MAMBA_CONV = 4  # megatron's Mamba mixer fixes d_conv
 
 
 refuse = functools.partial(base.refuse, host="hybrid")
+
+# the Superlinear remote code (convert/remote/nemotron_h_superlinear), by name: importing it needs
+# transformers, which the trainer flags of a config.json do not
+SUPERLINEAR_ARCH = "NemotronHSuperlinearForCausalLM"
+SUPERLINEAR_MODEL_TYPE = "nemotron_h_superlinear"
+SUPERLINEAR_AUTO_MAP = {
+    "AutoConfig": "configuration_nemotron_h_superlinear.NemotronHSuperlinearConfig",
+    "AutoModelForCausalLM": "modeling_nemotron_h_superlinear.NemotronHSuperlinearForCausalLM",
+}
+# config.json field -> trainer flag (the same names: the config's superlinear_* fields)
+SUPERLINEAR_KNOBS = ("superlinear_search_power", "superlinear_span_power", "superlinear_topk",
+                     "superlinear_backward_factor", "superlinear_forward_factor",
+                     "superlinear_sw_index", "superlinear_allow_no_random_access")
 
 
 def hybrid_pattern(cfg: dict) -> str:
@@ -106,6 +128,32 @@ def trainer_flags(cfg: dict) -> dict:
                      moe_router_topk_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                      moe_router_dtype="fp32")
     flags.update(base.dtype_flags(cfg, "hybrid"))
+    if _is_superlinear(cfg):
+        flags.update(_superlinear_flags(cfg, pattern))
+    return flags
+
+
+def _is_superlinear(cfg: dict) -> bool:
+    return (cfg.get("model_type") == SUPERLINEAR_MODEL_TYPE
+            or SUPERLINEAR_ARCH in (cfg.get("architectures") or []))
+
+
+def _superlinear_flags(cfg: dict, pattern: str) -> dict:
+    """--attention-variant superlinear, its knobs, and --layer-pattern (one name per '*' slot)
+    when ``superlinear_layers`` names only some attention layers."""
+    flags = {"attention_variant": "superlinear"}
+    for key in SUPERLINEAR_KNOBS:
+        if cfg.get(key) is not None:
+            flags[key] = cfg[key]
+    slots = [i for i, symbol in enumerate(pattern) if symbol == "*"]
+    chosen = cfg.get("superlinear_layers")
+    if chosen is not None:
+        if not isinstance(chosen, list) or any(i not in slots for i in chosen):
+            refuse("superlinear_layers", chosen, f"null or a list of attention layer indices "
+                   f"(0-based) from {slots}")
+        if sorted(chosen) != slots:
+            flags["layer_pattern"] = ",".join("superlinear" if i in chosen else "standard"
+                                              for i in slots)
     return flags
 
 
@@ -190,7 +238,20 @@ def check_export(args) -> None:
 
 # fields of an imported config.json that the model's flags decide (rewritten on export)
 _DERIVED = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-            "hybrid_override_pattern", "layers_block_type", "layer_types", "num_hidden_layers")
+            "hybrid_override_pattern", "layers_block_type", "layer_types", "num_hidden_layers",
+            "auto_map", "superlinear_layers", "superlinear_impl") + SUPERLINEAR_KNOBS
+
+
+def _layer_variants(args) -> list:
+    """Every layer's variant (None at M/-/E) from the model's flags."""
+    from ...patterns import resolve_layer_variants  # noqa: PLC0415
+
+    pattern = getattr(args, "layer_pattern", None)
+    if isinstance(pattern, str) and "," in pattern:
+        pattern = [v.strip() for v in pattern.split(",") if v.strip()]
+    return resolve_layer_variants(pattern, getattr(args, "attention_variant", None) or "standard",
+                                  len(args.hybrid_override_pattern),
+                                  args.hybrid_override_pattern)
 
 
 def hf_config(args, vocab: int, base: Optional[dict] = None) -> dict:
@@ -219,6 +280,11 @@ def hf_config(args, vocab: int, base: Optional[dict] = None) -> dict:
                    n_shared_experts=1, num_experts_per_tok=args.moe_router_topk,
                    routed_scaling_factor=float(args.moe_router_topk_scaling_factor or 1.0),
                    norm_topk_prob=True, n_group=1, topk_group=1)
+    chosen = [i for i, v in enumerate(_layer_variants(args)) if v == "superlinear"]
+    if chosen:  # the shipped remote code (api.export_hf copies its files)
+        cfg.update(architectures=[SUPERLINEAR_ARCH], model_type=SUPERLINEAR_MODEL_TYPE,
+                   auto_map=dict(SUPERLINEAR_AUTO_MAP), superlinear_layers=chosen,
+                   **{k: getattr(args, k) for k in SUPERLINEAR_KNOBS})
     return cfg
 
 
@@ -226,10 +292,10 @@ def matches_args(args) -> bool:
     return bool(getattr(args, "hybrid_override_pattern", None))
 
 
-FAMILY = Family(name="nemotron_h", architectures=("NemotronHForCausalLM",),
+FAMILY = Family(name="nemotron_h", architectures=("NemotronHForCausalLM", SUPERLINEAR_ARCH),
                 model_type="nemotron_h", host="hybrid",
                 summary="NemotronH / Nemotron-3 Nano (Mamba-2, NoPE attention, relu2 MLP, "
                         "sigmoid-routed MoE with a shared expert)",
                 trainer_flags=trainer_flags, tensor_maps=tensor_maps, hf_config=hf_config,
                 matches_args=matches_args, hf_layer_prefix="backbone.layers.{i}.",
-                script="examples/pretrain_hybrid.py")
+                script="examples/pretrain_hybrid.py", hf_variants=("standard", "superlinear"))
