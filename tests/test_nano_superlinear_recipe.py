@@ -156,7 +156,7 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     err = bad("chain", 2, load=os.path.join(tmp, "elsewhere"))
     assert "stage2.yaml: load" in err and "is not stage 1's save" in err, err
     err = bad("layout", 1, **{"tensor-model-parallel-size": 3})
-    assert "stage1.yaml" in err and "--tensor-model-parallel-size" in err or "--tp" in err, err
+    assert "stage1.yaml" in err and "--tensor-model-parallel-size" in err, err
     err = bad("knobs", 2, **{"superlinear-backward-factor": 4.0})
     assert "stage2.yaml: superlinear-backward-factor 4.0 differs from stage 1's" in err, err
 
