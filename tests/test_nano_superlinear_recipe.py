@@ -211,16 +211,13 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
                            log=lambda *a: None)
     assert again["stages"] == ["done", "done"]
 
-    # export: the last stage to Hugging Face (trust_remote_code modeling code, another branch)
-    try:
-        curriculum.export_step(cur, log=lambda *a: None)
-    except ValueError as e:
-        if "only models whose every attention layer is 'standard'" in str(e):
-            pytest.skip("export step only: this checkout's export_hf refuses superlinear "
-                        f"slots ({e}); everything before it passed")
-        raise
+    # export: the last stage to Hugging Face, with the shipped remote code (its logits against
+    # the megatron model: tests/test_convert_superlinear_hf.py)
+    curriculum.export_step(cur, log=lambda *a: None)
     hf_out = os.path.join(o, "hf")
-    assert os.path.isfile(os.path.join(hf_out, "config.json"))
+    config = json.load(open(os.path.join(hf_out, "config.json")))
+    assert config["auto_map"] and config["superlinear_backward_factor"] == 2.0
+    assert any(n.startswith("modeling_") and n.endswith(".py") for n in os.listdir(hf_out))
     assert any(n.endswith(".safetensors") for n in os.listdir(hf_out))
 
 
