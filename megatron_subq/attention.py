@@ -212,14 +212,14 @@ class SubqCoreAttention(MegatronModule):
             out = self._attend_state_passing(q, k, v).transpose(0, 1)
             return out.reshape(out.shape[0], out.shape[1], -1)
         if self.cp_size > 1:  # [s/cp, b, h, d] zig-zag -> [s, b, h/cp, d] natural order
-            query = sequence_to_heads(query, self.cp_group, self.query_head_stacks)
-            key, value = (sequence_to_heads(replicate_kv_heads(x, self.cp_size), self.cp_group)
-                          for x in (key, value))
+            query, key, value = qkv_sequence_to_heads(query, key, value, self.cp_group,
+                                                      self.query_head_stacks, self.cp_size,
+                                                      self.cp_rank)
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
         out = self.attend(q, k, v)  # [b, s, np, hn]
         out = out.transpose(0, 1)  # [s, b, np, hn]
         if self.cp_size > 1:
-            out = heads_to_sequence(out, self.cp_group)
+            out = heads_to_sequence(out, self.cp_group, self.cp_size, self.cp_rank)
         return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np*hn]
 
     def _attend_state_passing(self, q, k, v):
@@ -321,25 +321,6 @@ def check_context_parallel(variant, mode: str, cp: int, heads_tp: int, groups_tp
                          "divisor or a multiple of it")
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 (one equal slice per rank); its adjoint is itself."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 class _AllGather(torch.autograd.Function):
     """``all_gather`` of equal tensors into ``[ranks, ...]``; backward: the gradient summed over
     the ranks (each used every rank's slot), this rank's slot returned (all-reduce: gloo has no
@@ -366,38 +347,193 @@ def zigzag_chunks(cp: int):
     return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
 
 
-def _reorder_chunks(x: torch.Tensor, order) -> torch.Tensor:
-    """x [s, ...] seen as len(order) equal chunks along dim 0 -> chunks ``order[0], order[1], ..``."""
-    chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
-    return torch.cat([chunks[i] for i in order])  # slices: no index tensor copied to the device
+# The exchange of the all-to-all path (issue 24: its layout work used to cost 11-37% of an op).
+# Each CP rank holds two zig-zag chunks of c = s/(2·cp) tokens (half 0: chunk r, half 1: chunk
+# 2·cp-1-r) for all heads; after the exchange it holds all 2·cp chunks, in natural order, of its
+# head slice. Every message is one (peer, half) chunk of one tensor, contiguous on both sides, so
+# the zig-zag undo is where the receive lands (no reorder pass) and the GQA replication is a
+# broadcast in the one packing copy. Full-tensor passes per tensor (q, k, v, output), each
+# direction: 2 (one packing copy + the transfer), against 3 before (+1 for replicated key/value
+# heads) and autograd's zero-filled chunk buffers in the backward (megatron_subq/testing/
+# cp_reference.py keeps that path; docs/variants.md has the counts).
+def _chunk(cp: int, rank: int, half: int) -> int:
+    """The natural-order chunk that CP rank ``rank`` holds as its ``half`` (0, 1)."""
+    return rank if half == 0 else 2 * cp - 1 - rank
 
 
-def replicate_kv_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """Key/value heads ``[s, b, g, d]`` repeated to ``cp`` heads when g < cp (each head's
-    copies adjacent, so CP rank r gets head r·g/cp, the group of its query heads); unchanged
-    otherwise. The gradient of the copies sums back (autograd of ``repeat_interleave``)."""
-    g = x.shape[2]
-    return x if g >= cp else x.repeat_interleave(cp // g, dim=2)
+def _transfer(sends, recvs, group, rank: int) -> None:
+    """Deliver ``sends[i] = (tensor, peer)`` into ``recvs[i'] = (tensor, peer)`` (peers: ranks
+    of ``group``; each rank lists its messages to and from every peer in one agreed order). This
+    rank's own messages are local copies; the rest is one batch of point-to-point ops (NCCL: one
+    grouped call, like its all-to-all; gloo: isend/irecv), waited on. tools/bench_cp_layout.py
+    replaces it with local copies (one GPU)."""
+    own_sends = [t for t, peer in sends if peer == rank]
+    own_recvs = [t for t, peer in recvs if peer == rank]
+    ops = []
+    for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+        for t, peer in pairs:
+            if peer != rank:
+                dst = peer if group is None else dist.get_global_rank(group, peer)
+                ops.append(dist.P2POp(op, t, dst, group))
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for dst, src in zip(own_recvs, own_sends):
+        dst.copy_(src)
+    for w in works:
+        w.wait()
 
 
-def sequence_to_heads(x: torch.Tensor, group, stacks: int = 1) -> torch.Tensor:
-    """``[s/cp, b, stacks·h, d]`` (zig-zag sequence shard, all heads) -> ``[s, b, stacks·h/cp,
-    d]`` (whole sequence in natural order, this rank's slice ``h/cp`` of each stack)."""
-    cp = get_pg_size(group)
-    s_local, b, heads, d = x.shape
-    h = heads // stacks
-    x = x.view(s_local, b, stacks, cp, h // cp, d).permute(3, 0, 1, 2, 4, 5)
-    x = _AllToAll.apply(x, group)  # [cp (source rank), s/cp, b, stacks, h/cp, d]
-    x = x.reshape(cp * s_local, b, stacks * (h // cp), d)
-    natural = [zigzag_chunks(cp).index(c) for c in range(2 * cp)]
-    return _reorder_chunks(x, natural)
+def _packed_regions(buf: torch.Tensor, heads, c: int, b: int, d: int):
+    """Views ``[cp, 2, c, b, n, d]`` of a ``[cp, 2, L]`` exchange buffer, one per tensor of
+    ``n`` heads in ``heads``, back to back along L: message (peer, half) of each tensor is
+    contiguous."""
+    out, off = [], 0
+    for n in heads:
+        size = c * b * n * d
+        out.append(buf[:, :, off:off + size].view(*buf.shape[:2], c, b, n, d))
+        off += size
+    return out
 
 
-def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of ``sequence_to_heads`` (one stack): ``[s, b, h/cp, d]`` natural order ->
-    ``[s/cp, b, h, d]`` this rank's zig-zag shard."""
-    cp = get_pg_size(group)
-    s, b, h, d = x.shape
-    x = _reorder_chunks(x, zigzag_chunks(cp)).view(cp, s // cp, b, h, d)
-    x = _AllToAll.apply(x, group)  # [cp (head slice), s/cp, b, h/cp, d]
-    return x.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)
+def _by_peer_kv(x: torch.Tensor, cp: int, c: int) -> torch.Tensor:
+    """Key/value heads ``[2c, b, g, d]`` (or their gradient's shape) as ``[cp (peer), 2, c, b,
+    g/cp, d]`` for g ≥ cp, else ``[g, 1, 2, c, b, 1, d]`` (peer = head·cp/g + copy: broadcast
+    over the cp/g copies)."""
+    _, b, g, d = x.shape
+    if g >= cp:
+        return x.view(2, c, b, cp, g // cp, d).permute(3, 0, 1, 2, 4, 5)
+    return x.view(2, c, b, g, 1, d).permute(3, 0, 1, 2, 4, 5).unsqueeze(1)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """q ``[2c, b, stacks·h, d]``, k/v ``[2c, b, g, d]`` (this rank's zig-zag chunks, all
+    heads) -> ``[2c·cp, b, n, d]`` each (all chunks in natural order, this rank's heads: ``h/cp``
+    of each query stack, ``max(g, cp)/cp`` key/value heads, those fewer than cp replicated).
+
+    Forward: one copy packs q, k and v into one ``[cp, 2, L]`` buffer (a launch per tensor;
+    replication is the broadcast of k/v's copy), one transfer lands each message at its
+    natural-order place of three contiguous outputs (the layout ``attend`` had before).
+    Backward, the mirror: the gradients are sent from where they are (contiguous chunks) into
+    one buffer, one copy per tensor unpacks it (replicated heads: their sum)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp, rank, stacks):
+        s_l, b, hq, d = q.shape
+        g, c, h = k.shape[2], s_l // 2, hq // stacks
+        heads = (hq // cp, max(g, cp) // cp, max(g, cp) // cp)
+        ctx.meta = (group, cp, rank, stacks, q.shape, k.shape, heads)
+        buf = q.new_empty(cp, 2, c * b * d * sum(heads))
+        rq, rk, rv = _packed_regions(buf, heads, c, b, d)
+        rq.view(cp, 2, c, b, stacks, h // cp, d).copy_(
+            q.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6))
+        for region, x in ((rk, k), (rv, v)):
+            (region if g >= cp else region.view(g, cp // g, 2, c, b, 1, d)).copy_(
+                _by_peer_kv(x, cp, c))
+        outs = [q.new_empty(2 * c * cp, b, n, d) for n in heads]
+        sends, recvs = [], []
+        for peer in range(cp):
+            for half in (0, 1):
+                j = _chunk(cp, peer, half)
+                for region, out in zip((rq, rk, rv), outs):
+                    sends.append((region[peer, half], peer))
+                    recvs.append((out[j * c:(j + 1) * c], peer))
+        _transfer(sends, recvs, group, rank)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        group, cp, rank, stacks, q_shape, k_shape, heads = ctx.meta
+        s_l, b, hq, d = q_shape
+        g, c, h = k_shape[2], s_l // 2, hq // stacks
+        grads = [x.contiguous() for x in (gq, gk, gv)]  # a no-op for attend's usual [b=1, ...]
+        buf = gq.new_empty(cp, 2, c * b * d * sum(heads))
+        rq, rk, rv = _packed_regions(buf, heads, c, b, d)
+        sends, recvs = [], []
+        for peer in range(cp):
+            for half in (0, 1):
+                j = _chunk(cp, peer, half)
+                for region, grad in zip((rq, rk, rv), grads):
+                    sends.append((grad[j * c:(j + 1) * c], peer))
+                    recvs.append((region[peer, half], peer))
+        _transfer(sends, recvs, group, rank)
+        dq = gq.new_empty(q_shape)
+        dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6).copy_(
+            rq.view(cp, 2, c, b, stacks, h // cp, d))
+        dkv = []
+        for region in (rk, rv):
+            dx = gq.new_empty(k_shape)
+            if g >= cp:
+                _by_peer_kv(dx, cp, c).copy_(region)
+            else:  # the replicas' gradients summed (autograd of repeat_interleave does the same)
+                torch.sum(region.view(g, cp // g, 2, c, b, 1, d), dim=1, keepdim=True,
+                          out=_by_peer_kv(dx, cp, c))
+            dkv.append(dx)
+        return dq, dkv[0], dkv[1], None, None, None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """``[2c·cp, b, n, d]`` (natural order, this rank's heads) -> ``[2c, b, cp·n, d]`` (this
+    rank's zig-zag chunks, all heads; head slice of rank p at ``p·n``). Forward: one transfer
+    sends each chunk from where it is, one copy unpacks the ``[cp, 2, c, b, n, d]`` buffer into
+    the head order. Backward, the mirror: one packing copy, one transfer into a natural-order
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp, rank):
+        x = x.contiguous()  # a no-op for attend's [b=1, ...] output
+        s, b, n, d = x.shape
+        c = s // (2 * cp)
+        ctx.meta = (group, cp, rank, x.shape)
+        buf = x.new_empty(cp, 2, c, b, n, d)
+        sends, recvs = [], []
+        for peer in range(cp):
+            for half in (0, 1):
+                j = _chunk(cp, peer, half)
+                sends.append((x[j * c:(j + 1) * c], peer))
+                recvs.append((buf[peer, half], peer))
+        _transfer(sends, recvs, group, rank)
+        return buf.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * n, d)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, cp, rank, shape = ctx.meta
+        s, b, n, d = shape
+        c = s // (2 * cp)
+        buf = grad.new_empty(cp, 2, c, b, n, d)
+        buf.copy_(grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5))
+        dx = grad.new_empty(shape)
+        sends, recvs = [], []
+        for peer in range(cp):
+            for half in (0, 1):
+                j = _chunk(cp, peer, half)
+                sends.append((buf[peer, half], peer))
+                recvs.append((dx[j * c:(j + 1) * c], peer))
+        _transfer(sends, recvs, group, rank)
+        return dx, None, None, None
+
+
+def _cp_size_rank(group, cp, rank):
+    cp = get_pg_size(group) if cp is None else cp
+    return cp, (get_pg_rank(group) if rank is None else rank)
+
+
+def qkv_sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
+                          stacks: int = 1, cp: Optional[int] = None, rank: Optional[int] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[s/cp, b, stacks·h, d]``, k/v ``[s/cp, b, g, d]`` (this rank's zig-zag sequence
+    shard, all heads) -> q ``[s, b, stacks·h/cp, d]`` (this rank's slice ``h/cp`` of each stack,
+    so a head keeps its companions), k/v ``[s, b, max(g, cp)/cp, d]`` (key/value heads fewer
+    than cp replicated, each head's copies on consecutive ranks: rank r gets head r·g/cp, the
+    group of its query heads), the whole sequence in natural order; contiguous. One exchange
+    for the three (``_SequenceToHeads``: a packing copy and the transfer, each way); autograd
+    runs it backwards. ``cp``/``rank`` default to the group's (a benchmark simulates others)."""
+    cp, rank = _cp_size_rank(group, cp, rank)
+    return _SequenceToHeads.apply(q, k, v, group, cp, rank, stacks)
+
+
+def heads_to_sequence(x: torch.Tensor, group, cp: Optional[int] = None,
+                      rank: Optional[int] = None) -> torch.Tensor:
+    """The inverse for the output: ``[s, b, h/cp, d]`` natural order, this rank's heads ->
+    ``[s/cp, b, h, d]`` this rank's zig-zag shard, all heads (contiguous). One transfer and an
+    unpacking copy, each way (``_HeadsToSequence``)."""
+    cp, rank = _cp_size_rank(group, cp, rank)
+    return _HeadsToSequence.apply(x, group, cp, rank)
