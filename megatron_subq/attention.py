@@ -361,6 +361,28 @@ def _chunk(cp: int, rank: int, half: int) -> int:
     return rank if half == 0 else 2 * cp - 1 - rank
 
 
+def _routes(cp: int, rank: int):
+    """The messages between this rank and each peer, in the order both sides list them: per
+    peer, its halves 0 and 1 (``half`` None: this rank's own pair, both halves as one local
+    copy)."""
+    return [(peer, half) for peer in range(cp)
+            for half in ((None,) if peer == rank else (0, 1))]
+
+
+def _natural(x: torch.Tensor, cp: int, peer: int, half) -> torch.Tensor:
+    """Of ``x`` ``[2·cp·c, ...]`` in natural order: rank ``peer``'s chunk ``half``, or (half
+    None) both its chunks as one strided ``[2, c, ...]`` view."""
+    v = x.view(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    if half is None:
+        return v[peer:2 * cp - peer:2 * cp - 1 - 2 * peer]
+    return v[_chunk(cp, peer, half)]
+
+
+def _packed(region: torch.Tensor, peer: int, half) -> torch.Tensor:
+    """Of a ``[cp, 2, c, ...]`` buffer: message (peer, half), or both halves (half None)."""
+    return region[peer] if half is None else region[peer, half]
+
+
 def _transfer(sends, recvs, group, rank: int) -> None:
     """Deliver ``sends[i] = (tensor, peer)`` into ``recvs[i'] = (tensor, peer)`` (peers: ranks
     of ``group``; each rank lists its messages to and from every peer in one agreed order). This
@@ -430,12 +452,10 @@ class _SequenceToHeads(torch.autograd.Function):
                 _by_peer_kv(x, cp, c))
         outs = [q.new_empty(2 * c * cp, b, n, d) for n in heads]
         sends, recvs = [], []
-        for peer in range(cp):
-            for half in (0, 1):
-                j = _chunk(cp, peer, half)
-                for region, out in zip((rq, rk, rv), outs):
-                    sends.append((region[peer, half], peer))
-                    recvs.append((out[j * c:(j + 1) * c], peer))
+        for peer, half in _routes(cp, rank):
+            for region, out in zip((rq, rk, rv), outs):
+                sends.append((_packed(region, peer, half), peer))
+                recvs.append((_natural(out, cp, peer, half), peer))
         _transfer(sends, recvs, group, rank)
         return tuple(outs)
 
@@ -448,12 +468,10 @@ class _SequenceToHeads(torch.autograd.Function):
         buf = gq.new_empty(cp, 2, c * b * d * sum(heads))
         rq, rk, rv = _packed_regions(buf, heads, c, b, d)
         sends, recvs = [], []
-        for peer in range(cp):
-            for half in (0, 1):
-                j = _chunk(cp, peer, half)
-                for region, grad in zip((rq, rk, rv), grads):
-                    sends.append((grad[j * c:(j + 1) * c], peer))
-                    recvs.append((region[peer, half], peer))
+        for peer, half in _routes(cp, rank):
+            for region, grad in zip((rq, rk, rv), grads):
+                sends.append((_natural(grad, cp, peer, half), peer))
+                recvs.append((_packed(region, peer, half), peer))
         _transfer(sends, recvs, group, rank)
         dq = gq.new_empty(q_shape)
         dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6).copy_(
@@ -485,11 +503,9 @@ class _HeadsToSequence(torch.autograd.Function):
         ctx.meta = (group, cp, rank, x.shape)
         buf = x.new_empty(cp, 2, c, b, n, d)
         sends, recvs = [], []
-        for peer in range(cp):
-            for half in (0, 1):
-                j = _chunk(cp, peer, half)
-                sends.append((x[j * c:(j + 1) * c], peer))
-                recvs.append((buf[peer, half], peer))
+        for peer, half in _routes(cp, rank):
+            sends.append((_natural(x, cp, peer, half), peer))
+            recvs.append((_packed(buf, peer, half), peer))
         _transfer(sends, recvs, group, rank)
         return buf.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * n, d)
 
@@ -502,11 +518,9 @@ class _HeadsToSequence(torch.autograd.Function):
         buf.copy_(grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5))
         dx = grad.new_empty(shape)
         sends, recvs = [], []
-        for peer in range(cp):
-            for half in (0, 1):
-                j = _chunk(cp, peer, half)
-                sends.append((buf[peer, half], peer))
-                recvs.append((dx[j * c:(j + 1) * c], peer))
+        for peer, half in _routes(cp, rank):
+            sends.append((_packed(buf, peer, half), peer))
+            recvs.append((_natural(dx, cp, peer, half), peer))
         _transfer(sends, recvs, group, rank)
         return dx, None, None, None
 
