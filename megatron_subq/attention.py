@@ -22,10 +22,12 @@ the only ones that do not, refuse them in their own attention and model.
 Context parallelism (``Variant.context_parallel == "all_to_all"``, ``pg_collection.cp`` of N > 1
 ranks): q/k/v arrive sequence-sharded ``[s/N, b, heads, d]`` in megatron's zig-zag order (rank r
 holds chunks r and 2N-1-r of 2N). ``forward`` exchanges them over the CP group (all-to-all) for
-``[s, b, heads/N, d]``, puts the tokens in natural order, runs the variant's full-sequence
-``attend`` on its share of the heads, and reverses both steps for the output; autograd runs the
-exchange backwards. Key/value heads fewer than N are replicated first (as megatron does for TP);
-per-head parameters of a variant are read through ``cp_heads`` (this CP rank's rows).
+``[s, b, heads/N, d]`` with the tokens landing in natural order (``qkv_sequence_to_heads``: q,
+k and v in one exchange), runs the variant's full-sequence ``attend`` on its share of the heads,
+and exchanges the output back (``heads_to_sequence``); autograd runs the exchanges backwards.
+Two full passes per tensor each way (a packing copy and the transfer). Key/value heads fewer
+than N are replicated (as megatron does for TP) by that packing copy; per-head parameters of a
+variant are read through ``cp_heads`` (this CP rank's rows).
 
 Decoding (docs/inference.md): with megatron's static inference context, ``SubqSelfAttention``
 (variants/standard.py) hands the context and the chunk's first position to the core
@@ -351,22 +353,29 @@ def zigzag_chunks(cp: int):
 # Each CP rank holds two zig-zag chunks of c = s/(2·cp) tokens (half 0: chunk r, half 1: chunk
 # 2·cp-1-r) for all heads; after the exchange it holds all 2·cp chunks, in natural order, of its
 # head slice. Every message is one (peer, half) chunk of one tensor, contiguous on both sides, so
-# the zig-zag undo is where the receive lands (no reorder pass) and the GQA replication is a
-# broadcast in the one packing copy. Full-tensor passes per tensor (q, k, v, output), each
-# direction: 2 (one packing copy + the transfer), against 3 before (+1 for replicated key/value
-# heads) and autograd's zero-filled chunk buffers in the backward (megatron_subq/testing/
-# cp_reference.py keeps that path; docs/variants.md has the counts).
+# the zig-zag undo is where the receive lands (no reorder pass), the GQA replication is a
+# broadcast in the packing copy, and this rank's own slice never travels: it is copied once,
+# straight to its place. Full-tensor passes per tensor (q, k, v, output), each direction:
+# 2 - 1/cp (the peers' share: a packing copy + the transfer; the own share: one copy), against 3
+# before (+1 for replicated key/value heads) and, backward, autograd's zero-filled chunk buffers
+# summed (2·cp passes). megatron_subq/testing/cp_reference.py keeps that path; docs/variants.md
+# has the counts.
 def _chunk(cp: int, rank: int, half: int) -> int:
     """The natural-order chunk that CP rank ``rank`` holds as its ``half`` (0, 1)."""
     return rank if half == 0 else 2 * cp - 1 - rank
 
 
 def _routes(cp: int, rank: int):
-    """The messages between this rank and each peer, in the order both sides list them: per
-    peer, its halves 0 and 1 (``half`` None: this rank's own pair, both halves as one local
-    copy)."""
-    return [(peer, half) for peer in range(cp)
-            for half in ((None,) if peer == rank else (0, 1))]
+    """The messages between this rank and its peers, in the order both sides list them: per
+    peer, its halves 0 and 1 (this rank's own chunks never travel: local copies)."""
+    return [(peer, half) for peer in range(cp) if peer != rank for half in (0, 1)]
+
+
+def _copy_others(dst: torch.Tensor, src: torch.Tensor, rank: int) -> None:
+    """``dst[p] = src[p]`` along dim 0 (peers) for every p but ``rank``: one or two copies."""
+    for sl in (slice(0, rank), slice(rank + 1, dst.shape[0])):
+        if sl.stop > sl.start:
+            dst[sl].copy_(src[sl])
 
 
 def _natural(x: torch.Tensor, cp: int, peer: int, half) -> torch.Tensor:
@@ -383,24 +392,18 @@ def _packed(region: torch.Tensor, peer: int, half) -> torch.Tensor:
     return region[peer] if half is None else region[peer, half]
 
 
-def _transfer(sends, recvs, group, rank: int) -> None:
-    """Deliver ``sends[i] = (tensor, peer)`` into ``recvs[i'] = (tensor, peer)`` (peers: ranks
-    of ``group``; each rank lists its messages to and from every peer in one agreed order). This
-    rank's own messages are local copies; the rest is one batch of point-to-point ops (NCCL: one
+def _transfer(sends, recvs, group) -> None:
+    """Deliver ``sends[i] = (tensor, peer)`` into ``recvs[i'] = (tensor, peer)`` (contiguous
+    tensors; peers: ranks of ``group``, never this one; each rank lists its messages to and from
+    every peer in one agreed order, ``_routes``): one batch of point-to-point ops (NCCL: one
     grouped call, like its all-to-all; gloo: isend/irecv), waited on. tools/bench_cp_layout.py
     replaces it with local copies (one GPU)."""
-    own_sends = [t for t, peer in sends if peer == rank]
-    own_recvs = [t for t, peer in recvs if peer == rank]
     ops = []
     for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
         for t, peer in pairs:
-            if peer != rank:
-                dst = peer if group is None else dist.get_global_rank(group, peer)
-                ops.append(dist.P2POp(op, t, dst, group))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    for dst, src in zip(own_recvs, own_sends):
-        dst.copy_(src)
-    for w in works:
+            dst = peer if group is None else dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(op, t, dst, group))
+    for w in dist.batch_isend_irecv(ops) if ops else []:
         w.wait()
 
 
@@ -431,11 +434,13 @@ class _SequenceToHeads(torch.autograd.Function):
     heads) -> ``[2c·cp, b, n, d]`` each (all chunks in natural order, this rank's heads: ``h/cp``
     of each query stack, ``max(g, cp)/cp`` key/value heads, those fewer than cp replicated).
 
-    Forward: one copy packs q, k and v into one ``[cp, 2, L]`` buffer (a launch per tensor;
-    replication is the broadcast of k/v's copy), one transfer lands each message at its
+    Forward: one copy per tensor packs the peers' head slices into one ``[cp, 2, L]`` buffer
+    (replication: the broadcast of k/v's copy) and this rank's own slice straight into its
+    natural-order place; one transfer for q, k and v lands each peer's message at its
     natural-order place of three contiguous outputs (the layout ``attend`` had before).
-    Backward, the mirror: the gradients are sent from where they are (contiguous chunks) into
-    one buffer, one copy per tensor unpacks it (replicated heads: their sum)."""
+    Backward, the mirror: the gradients are sent from where they are (contiguous chunks) into one
+    buffer, one copy per tensor unpacks it and this rank's own slice (replicated heads: their
+    sum, as autograd of ``repeat_interleave`` gives)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, cp, rank, stacks):
@@ -444,19 +449,25 @@ class _SequenceToHeads(torch.autograd.Function):
         heads = (hq // cp, max(g, cp) // cp, max(g, cp) // cp)
         ctx.meta = (group, cp, rank, stacks, q.shape, k.shape, heads)
         buf = q.new_empty(cp, 2, c * b * d * sum(heads))
-        rq, rk, rv = _packed_regions(buf, heads, c, b, d)
-        rq.view(cp, 2, c, b, stacks, h // cp, d).copy_(
-            q.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6))
-        for region, x in ((rk, k), (rv, v)):
-            (region if g >= cp else region.view(g, cp // g, 2, c, b, 1, d)).copy_(
-                _by_peer_kv(x, cp, c))
+        regions = _packed_regions(buf, heads, c, b, d)
         outs = [q.new_empty(2 * c * cp, b, n, d) for n in heads]
+        q_src = q.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
+        _copy_others(regions[0].view(cp, 2, c, b, stacks, h // cp, d), q_src, rank)
+        _natural(outs[0], cp, rank, None).view(2, c, b, stacks, h // cp, d).copy_(q_src[rank])
+        for region, x, out in zip(regions[1:], (k, v), outs[1:]):
+            if g >= cp:
+                src = _by_peer_kv(x, cp, c)
+                _copy_others(region, src, rank)
+                _natural(out, cp, rank, None).copy_(src[rank])
+            else:  # replicas: one broadcasting copy for every peer, this rank's slot included
+                region.view(g, cp // g, 2, c, b, 1, d).copy_(_by_peer_kv(x, cp, c))
+                _natural(out, cp, rank, None).copy_(region[rank])
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
-            for region, out in zip((rq, rk, rv), outs):
-                sends.append((_packed(region, peer, half), peer))
+            for region, out in zip(regions, outs):
+                sends.append((region[peer, half], peer))
                 recvs.append((_natural(out, cp, peer, half), peer))
-        _transfer(sends, recvs, group, rank)
+        _transfer(sends, recvs, group)
         return tuple(outs)
 
     @staticmethod
@@ -466,24 +477,27 @@ class _SequenceToHeads(torch.autograd.Function):
         g, c, h = k_shape[2], s_l // 2, hq // stacks
         grads = [x.contiguous() for x in (gq, gk, gv)]  # a no-op for attend's usual [b=1, ...]
         buf = gq.new_empty(cp, 2, c * b * d * sum(heads))
-        rq, rk, rv = _packed_regions(buf, heads, c, b, d)
+        regions = _packed_regions(buf, heads, c, b, d)
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
-            for region, grad in zip((rq, rk, rv), grads):
+            for region, grad in zip(regions, grads):
                 sends.append((_natural(grad, cp, peer, half), peer))
-                recvs.append((_packed(region, peer, half), peer))
-        _transfer(sends, recvs, group, rank)
+                recvs.append((region[peer, half], peer))
+        _transfer(sends, recvs, group)
         dq = gq.new_empty(q_shape)
-        dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6).copy_(
-            rq.view(cp, 2, c, b, stacks, h // cp, d))
+        dq_dst = dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
+        _copy_others(dq_dst, regions[0].view(cp, 2, c, b, stacks, h // cp, d), rank)
+        dq_dst[rank].copy_(_natural(grads[0], cp, rank, None).view(2, c, b, stacks, h // cp, d))
         dkv = []
-        for region in (rk, rv):
+        for region, grad in zip(regions[1:], grads[1:]):
             dx = gq.new_empty(k_shape)
+            dst = _by_peer_kv(dx, cp, c)
             if g >= cp:
-                _by_peer_kv(dx, cp, c).copy_(region)
-            else:  # the replicas' gradients summed (autograd of repeat_interleave does the same)
-                torch.sum(region.view(g, cp // g, 2, c, b, 1, d), dim=1, keepdim=True,
-                          out=_by_peer_kv(dx, cp, c))
+                _copy_others(dst, region, rank)
+                dst[rank].copy_(_natural(grad, cp, rank, None))
+            else:  # the replicas' gradients summed, this rank's among them
+                region[rank].copy_(_natural(grad, cp, rank, None))
+                torch.sum(region.view(g, cp // g, 2, c, b, 1, d), dim=1, keepdim=True, out=dst)
             dkv.append(dx)
         return dq, dkv[0], dkv[1], None, None, None, None
 
@@ -491,9 +505,10 @@ class _SequenceToHeads(torch.autograd.Function):
 class _HeadsToSequence(torch.autograd.Function):
     """``[2c·cp, b, n, d]`` (natural order, this rank's heads) -> ``[2c, b, cp·n, d]`` (this
     rank's zig-zag chunks, all heads; head slice of rank p at ``p·n``). Forward: one transfer
-    sends each chunk from where it is, one copy unpacks the ``[cp, 2, c, b, n, d]`` buffer into
-    the head order. Backward, the mirror: one packing copy, one transfer into a natural-order
-    gradient."""
+    sends each chunk from where it is into a ``[cp, 2, c, b, n, d]`` buffer, one copy unpacks
+    it into the head order (this rank's own chunks straight from the input). Backward, the
+    mirror: one packing copy (own chunks straight into the gradient), one transfer into the
+    natural-order gradient."""
 
     @staticmethod
     def forward(ctx, x, group, cp, rank):
@@ -501,27 +516,33 @@ class _HeadsToSequence(torch.autograd.Function):
         s, b, n, d = x.shape
         c = s // (2 * cp)
         ctx.meta = (group, cp, rank, x.shape)
-        buf = x.new_empty(cp, 2, c, b, n, d)
+        buf = x.new_empty(cp, 2, c, b, n, d)  # this rank's slot unused
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
             sends.append((_natural(x, cp, peer, half), peer))
-            recvs.append((_packed(buf, peer, half), peer))
-        _transfer(sends, recvs, group, rank)
-        return buf.permute(1, 2, 3, 0, 4, 5).reshape(2 * c, b, cp * n, d)
+            recvs.append((buf[peer, half], peer))
+        _transfer(sends, recvs, group)
+        out = x.new_empty(2 * c, b, cp * n, d)
+        dst = out.view(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
+        _copy_others(dst, buf, rank)
+        dst[rank].copy_(_natural(x, cp, rank, None))
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         group, cp, rank, shape = ctx.meta
         s, b, n, d = shape
         c = s // (2 * cp)
-        buf = grad.new_empty(cp, 2, c, b, n, d)
-        buf.copy_(grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5))
+        src = grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
+        buf = grad.new_empty(cp, 2, c, b, n, d)  # this rank's slot unused
+        _copy_others(buf, src, rank)
         dx = grad.new_empty(shape)
+        _natural(dx, cp, rank, None).copy_(src[rank])
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
-            sends.append((_packed(buf, peer, half), peer))
+            sends.append((buf[peer, half], peer))
             recvs.append((_natural(dx, cp, peer, half), peer))
-        _transfer(sends, recvs, group, rank)
+        _transfer(sends, recvs, group)
         return dx, None, None, None
 
 

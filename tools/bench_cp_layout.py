@@ -14,7 +14,7 @@ through and backward feeds given gradients to q, k and v (no arithmetic in the n
 
 One process, one device: the exchange is simulated by local copies of the same bytes (the
 reference's ``all_to_all_single`` a clone of its buffer, the packed path's transfer one copy per
-message), so the interconnect is not in the number; the permutation work is, which is what runs
+message to a peer), so the interconnect is not in the number; the permutation work is, which is what runs
 on every GPU whatever the interconnect. Also counted, per path and direction, on the same
 tensors: the kernels that write memory (aten ops other than views) and the bytes they write in
 units of q + k + v + output ("passes per tensor"; the simulated transfer included: 1 pass).
@@ -134,23 +134,17 @@ def _simulated(cp):
     from megatron_subq import attention
     from megatron_subq.testing import cp_reference
 
-    def transfer(sends, recvs, group, rank):
-        """Own messages: the local copies the real transfer makes; the others: copies of the
-        same sizes, counted as one kernel (NCCL's grouped send/recv)."""
-        remote = 0
-        for (dst, peer), (src, _) in zip(recvs, sends):
-            if peer == rank:
-                dst.copy_(src)
-                continue
+    def transfer(sends, recvs, group):
+        """Copies of the messages' sizes, counted as one kernel (NCCL's grouped send/recv)."""
+        for (dst, _), (src, _) in zip(recvs, sends):
             if _COUNTER is None:
                 dst.copy_(src)
             else:
                 with torch.utils._python_dispatch._disable_current_modes():
                     dst.copy_(src)
                 _COUNTER.bytes += dst.numel() * dst.element_size()
-                remote = 1
-        if _COUNTER is not None:
-            _COUNTER.kernels += remote
+        if _COUNTER is not None and sends:
+            _COUNTER.kernels += 1
 
     return [mock.patch.object(cp_reference, "get_pg_size", lambda group: cp),
             mock.patch.object(cp_reference._AllToAll, "apply",
