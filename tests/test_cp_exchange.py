@@ -4,17 +4,26 @@
 ``heads_to_sequence``): around the same naive ``attend``, every rank's output and the
 gradients of its q, k and v are bitwise equal, at CP=2 (two groups of two ranks: group ranks
 are not global ranks) and CP=4, with key/value heads split, replicated (fewer than CP) and two
-query stacks (Superlinear's search queries), batch 1 and 2. One gloo launch of four ranks."""
+query stacks (Superlinear's search queries), batch 1 and 2. One gloo world of four ranks,
+forked from this process (the modules already imported: seconds, not a megatron start-up each).
+"""
 
+import multiprocessing
 import os
+import pickle
 import sys
+import tempfile
+import traceback
 
 import torch
+import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_subq.testing import run_distributed  # noqa: E402
+from megatron_subq.attention import heads_to_sequence, qkv_sequence_to_heads  # noqa: E402
+from megatron_subq.distributed import free_port  # noqa: E402
+from megatron_subq.testing.cp_reference import reference_exchange  # noqa: E402
 
 # (cp, query heads per stack, key/value heads, query stacks, batch)
 CASES = [(cp, h, g, stacks, b) for cp in (2, 4)
@@ -41,11 +50,6 @@ def _attend(stacks):
 
 
 def _compare():
-    import torch.distributed as dist
-
-    from megatron_subq.attention import heads_to_sequence, qkv_sequence_to_heads
-    from megatron_subq.testing.cp_reference import reference_exchange
-
     world = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     groups = {2: pairs[world // 2], 4: dist.group.WORLD}
@@ -72,9 +76,48 @@ def _compare():
     return out
 
 
+def _worker(rank, world_size, port, out_dir):
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size)
+        result = ("ok", _compare())
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        result = ("error", traceback.format_exc())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def _run_forked(world_size):
+    ctx = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="subq-cpx-") as out_dir:
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=300)
+        results = []
+        for r, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            assert os.path.exists(path), f"rank {r} exited ({p.exitcode}) without a result"
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            assert status == "ok", f"rank {r} failed:\n{value}"
+            results.append(value)
+        return results
+
+
 def test_packed_exchange_equals_reference_bitwise():
-    ranks = run_distributed(_compare, 4, backend="gloo")
+    ranks = _run_forked(4)
     for rank, r in enumerate(ranks):
+        assert len(r) == len(CASES)
         for case, (ref, got) in r.items():
             for what, a, e in zip(("output", "grad q", "grad k", "grad v"), got, ref):
                 assert a.shape == e.shape, (rank, case, what)
