@@ -371,11 +371,20 @@ def _routes(cp: int, rank: int):
     return [(peer, half) for peer in range(cp) if peer != rank for half in (0, 1)]
 
 
-def _copy_others(dst: torch.Tensor, src: torch.Tensor, rank: int) -> None:
-    """``dst[p] = src[p]`` along dim 0 (peers) for every p but ``rank``: one or two copies."""
-    for sl in (slice(0, rank), slice(rank + 1, dst.shape[0])):
-        if sl.stop > sl.start:
-            dst[sl].copy_(src[sl])
+def _slot(peer: int, rank: int, compact: bool) -> int:
+    """A peer's index in an exchange buffer: ``compact`` ones hold no slot for this rank."""
+    return peer - 1 if compact and peer > rank else peer
+
+
+def _copy_others(dst: torch.Tensor, src: torch.Tensor, rank: int, compact: str = "") -> None:
+    """``dst[p] = src[p]`` along dim 0 (peers) for every peer p but ``rank``: one or two copies.
+    ``compact`` ("dst" or "src"): that side holds no slot for ``rank`` (``_slot``)."""
+    cp = src.shape[0] + (compact == "src")
+    if rank:
+        dst[:rank].copy_(src[:rank])
+    if rank + 1 < cp:
+        d0, s0 = rank + (compact != "dst"), rank + (compact != "src")
+        dst[d0:d0 + cp - rank - 1].copy_(src[s0:s0 + cp - rank - 1])
 
 
 def _natural(x: torch.Tensor, cp: int, peer: int, half) -> torch.Tensor:
@@ -385,11 +394,6 @@ def _natural(x: torch.Tensor, cp: int, peer: int, half) -> torch.Tensor:
     if half is None:
         return v[peer:2 * cp - peer:2 * cp - 1 - 2 * peer]
     return v[_chunk(cp, peer, half)]
-
-
-def _packed(region: torch.Tensor, peer: int, half) -> torch.Tensor:
-    """Of a ``[cp, 2, c, ...]`` buffer: message (peer, half), or both halves (half None)."""
-    return region[peer] if half is None else region[peer, half]
 
 
 def _transfer(sends, recvs, group) -> None:
@@ -448,16 +452,19 @@ class _SequenceToHeads(torch.autograd.Function):
         g, c, h = k.shape[2], s_l // 2, hq // stacks
         heads = (hq // cp, max(g, cp) // cp, max(g, cp) // cp)
         ctx.meta = (group, cp, rank, stacks, q.shape, k.shape, heads)
-        buf = q.new_empty(cp, 2, c * b * d * sum(heads))
+        compact = g >= cp  # replicated key/value heads fill every slot, this rank's too
+        slots = cp - 1 if compact else cp
+        buf = q.new_empty(slots, 2, c * b * d * sum(heads))
         regions = _packed_regions(buf, heads, c, b, d)
         outs = [q.new_empty(2 * c * cp, b, n, d) for n in heads]
         q_src = q.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
-        _copy_others(regions[0].view(cp, 2, c, b, stacks, h // cp, d), q_src, rank)
+        _copy_others(regions[0].view(slots, 2, c, b, stacks, h // cp, d), q_src, rank,
+                     "dst" if compact else "")
         _natural(outs[0], cp, rank, None).view(2, c, b, stacks, h // cp, d).copy_(q_src[rank])
         for region, x, out in zip(regions[1:], (k, v), outs[1:]):
-            if g >= cp:
+            if compact:
                 src = _by_peer_kv(x, cp, c)
-                _copy_others(region, src, rank)
+                _copy_others(region, src, rank, "dst")
                 _natural(out, cp, rank, None).copy_(src[rank])
             else:  # replicas: one broadcasting copy for every peer, this rank's slot included
                 region.view(g, cp // g, 2, c, b, 1, d).copy_(_by_peer_kv(x, cp, c))
@@ -465,7 +472,7 @@ class _SequenceToHeads(torch.autograd.Function):
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
             for region, out in zip(regions, outs):
-                sends.append((region[peer, half], peer))
+                sends.append((region[_slot(peer, rank, compact), half], peer))
                 recvs.append((_natural(out, cp, peer, half), peer))
         _transfer(sends, recvs, group)
         return tuple(outs)
@@ -476,24 +483,27 @@ class _SequenceToHeads(torch.autograd.Function):
         s_l, b, hq, d = q_shape
         g, c, h = k_shape[2], s_l // 2, hq // stacks
         grads = [x.contiguous() for x in (gq, gk, gv)]  # a no-op for attend's usual [b=1, ...]
-        buf = gq.new_empty(cp, 2, c * b * d * sum(heads))
+        compact = g >= cp
+        slots = cp - 1 if compact else cp
+        buf = gq.new_empty(slots, 2, c * b * d * sum(heads))
         regions = _packed_regions(buf, heads, c, b, d)
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
             for region, grad in zip(regions, grads):
                 sends.append((_natural(grad, cp, peer, half), peer))
-                recvs.append((region[peer, half], peer))
+                recvs.append((region[_slot(peer, rank, compact), half], peer))
         _transfer(sends, recvs, group)
         dq = gq.new_empty(q_shape)
         dq_dst = dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
-        _copy_others(dq_dst, regions[0].view(cp, 2, c, b, stacks, h // cp, d), rank)
+        _copy_others(dq_dst, regions[0].view(slots, 2, c, b, stacks, h // cp, d), rank,
+                     "src" if compact else "")
         dq_dst[rank].copy_(_natural(grads[0], cp, rank, None).view(2, c, b, stacks, h // cp, d))
         dkv = []
         for region, grad in zip(regions[1:], grads[1:]):
             dx = gq.new_empty(k_shape)
             dst = _by_peer_kv(dx, cp, c)
-            if g >= cp:
-                _copy_others(dst, region, rank)
+            if compact:
+                _copy_others(dst, region, rank, "src")
                 dst[rank].copy_(_natural(grad, cp, rank, None))
             else:  # the replicas' gradients summed, this rank's among them
                 region[rank].copy_(_natural(grad, cp, rank, None))
@@ -516,15 +526,15 @@ class _HeadsToSequence(torch.autograd.Function):
         s, b, n, d = x.shape
         c = s // (2 * cp)
         ctx.meta = (group, cp, rank, x.shape)
-        buf = x.new_empty(cp, 2, c, b, n, d)  # this rank's slot unused
+        buf = x.new_empty(cp - 1, 2, c, b, n, d)  # the peers' messages
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
             sends.append((_natural(x, cp, peer, half), peer))
-            recvs.append((buf[peer, half], peer))
+            recvs.append((buf[_slot(peer, rank, True), half], peer))
         _transfer(sends, recvs, group)
         out = x.new_empty(2 * c, b, cp * n, d)
         dst = out.view(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
-        _copy_others(dst, buf, rank)
+        _copy_others(dst, buf, rank, "src")
         dst[rank].copy_(_natural(x, cp, rank, None))
         return out
 
@@ -534,13 +544,13 @@ class _HeadsToSequence(torch.autograd.Function):
         s, b, n, d = shape
         c = s // (2 * cp)
         src = grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
-        buf = grad.new_empty(cp, 2, c, b, n, d)  # this rank's slot unused
-        _copy_others(buf, src, rank)
+        buf = grad.new_empty(cp - 1, 2, c, b, n, d)  # the messages to the peers
+        _copy_others(buf, src, rank, "dst")
         dx = grad.new_empty(shape)
         _natural(dx, cp, rank, None).copy_(src[rank])
         sends, recvs = [], []
         for peer, half in _routes(cp, rank):
-            sends.append((buf[peer, half], peer))
+            sends.append((buf[_slot(peer, rank, True), half], peer))
             recvs.append((_natural(dx, cp, peer, half), peer))
         _transfer(sends, recvs, group)
         return dx, None, None, None
