@@ -25,8 +25,9 @@ holds chunks r and 2N-1-r of 2N). ``forward`` exchanges them over the CP group (
 ``[s, b, heads/N, d]`` with the tokens landing in natural order (``qkv_sequence_to_heads``: q,
 k and v in one exchange), runs the variant's full-sequence ``attend`` on its share of the heads,
 and exchanges the output back (``heads_to_sequence``); autograd runs the exchanges backwards.
-Two full passes per tensor each way (a packing copy and the transfer). Key/value heads fewer
-than N are replicated (as megatron does for TP) by that packing copy; per-head parameters of a
+2 - 1/N full passes per tensor each way (the peers' share: a packing copy and the transfer;
+the own share: one copy). Key/value heads fewer than N are replicated (as megatron does for
+TP) by that packing copy; per-head parameters of a
 variant are read through ``cp_heads`` (this CP rank's rows).
 
 Decoding (docs/inference.md): with megatron's static inference context, ``SubqSelfAttention``
@@ -557,6 +558,7 @@ class _HeadsToSequence(torch.autograd.Function):
 
 
 def _cp_size_rank(group, cp, rank):
+    """The CP size and this rank's place in ``group`` unless given."""
     cp = get_pg_size(group) if cp is None else cp
     return cp, (get_pg_rank(group) if rank is None else rank)
 
@@ -568,9 +570,11 @@ def qkv_sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
     shard, all heads) -> q ``[s, b, stacks·h/cp, d]`` (this rank's slice ``h/cp`` of each stack,
     so a head keeps its companions), k/v ``[s, b, max(g, cp)/cp, d]`` (key/value heads fewer
     than cp replicated, each head's copies on consecutive ranks: rank r gets head r·g/cp, the
-    group of its query heads), the whole sequence in natural order; contiguous. One exchange
-    for the three (``_SequenceToHeads``: a packing copy and the transfer, each way); autograd
-    runs it backwards. ``cp``/``rank`` default to the group's (a benchmark simulates others)."""
+    group of its query heads), the whole sequence in natural order; contiguous (what ``attend``
+    has always been given: results are bitwise those of three separate exchanges). One
+    exchange for the three (``_SequenceToHeads``: a packing copy and the transfer, 2 - 1/cp
+    passes per tensor, each way); autograd runs it backwards. ``cp``/``rank`` default to the
+    group's (tools/bench_cp_layout.py passes them: it simulates the other ranks)."""
     cp, rank = _cp_size_rank(group, cp, rank)
     return _SequenceToHeads.apply(q, k, v, group, cp, rank, stacks)
 
@@ -578,7 +582,8 @@ def qkv_sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gro
 def heads_to_sequence(x: torch.Tensor, group, cp: Optional[int] = None,
                       rank: Optional[int] = None) -> torch.Tensor:
     """The inverse for the output: ``[s, b, h/cp, d]`` natural order, this rank's heads ->
-    ``[s/cp, b, h, d]`` this rank's zig-zag shard, all heads (contiguous). One transfer and an
-    unpacking copy, each way (``_HeadsToSequence``)."""
+    ``[s/cp, b, h, d]`` this rank's zig-zag shard, all heads (contiguous, ready for the output
+    projection). The transfer and an unpacking copy, each way, 2 - 1/cp passes
+    (``_HeadsToSequence``)."""
     cp, rank = _cp_size_rank(group, cp, rank)
     return _HeadsToSequence.apply(x, group, cp, rank)

@@ -13,11 +13,13 @@ head_dim]`` tensors that rank attends (bf16; GPU only). The stand-in for ``atten
 through and backward feeds given gradients to q, k and v (no arithmetic in the number).
 
 One process, one device: the exchange is simulated by local copies of the same bytes (the
-reference's ``all_to_all_single`` a clone of its buffer, the packed path's transfer one copy per
-message to a peer), so the interconnect is not in the number; the permutation work is, which is what runs
-on every GPU whatever the interconnect. Also counted, per path and direction, on the same
-tensors: the kernels that write memory (aten ops other than views) and the bytes they write in
-units of q + k + v + output ("passes per tensor"; the simulated transfer included: 1 pass).
+reference's ``all_to_all_single`` a clone of its buffer, the packed path's transfer one copy
+per message to a peer; the simulated rank is rank 0), so the interconnect is not in the
+number; the permutation work is, which is what runs on every GPU whatever the interconnect.
+Also counted, per path and direction, on the same tensors: the kernels that write memory
+(aten ops other than views; a transfer counts as one, as NCCL groups it) and the bytes they
+write in units of q + k + v + output ("passes per tensor"; a transfer counts the bytes it
+delivers: the reference's all-to-all its whole buffer, own slice included, as NCCL copies it).
 CUDA events, median of --repeats after a warm-up: the device's time (the GPU busy first while
 the host enqueues, so launch overhead is hidden) and the eager time (as a step runs it).
 ``--device cpu``: the layout only, wall-clock medians (a rough before/after at small sizes).
@@ -80,6 +82,7 @@ class _WriteCounter(TorchDispatchMode):
         _COUNTER = None
         return super().__exit__(*exc)
 
+    # ops that only make views or allocate without writing
     METADATA = {"view", "_unsafe_view", "_reshape_alias", "reshape", "permute", "transpose",
                 "t", "expand", "slice", "select", "narrow", "unsqueeze", "squeeze", "alias",
                 "detach", "as_strided", "split", "split_with_sizes", "unbind", "empty",
