@@ -123,3 +123,25 @@ def test_packed_exchange_equals_reference_bitwise():
                 assert a.shape == e.shape, (rank, case, what)
                 assert torch.equal(a, e), (f"rank {rank}, (cp, h, g, stacks, b)={case}: {what} "
                                            f"differs by {(a - e).abs().max()}")
+
+
+def test_layout_passes_and_kernels(tmp_path, capsys):
+    """tools/bench_cp_layout.py --device cpu (one process, the exchange simulated): the packed
+    path writes 2 - 1/cp full passes per tensor each way, in 10 kernels (rank 0), against the
+    reference's 3 forward and 4·cp backward (docs/variants.md's table)."""
+    import json
+
+    from tools import bench_cp_layout
+
+    out = tmp_path / "layout.json"
+    assert bench_cp_layout.main(["--device", "cpu", "--seq", "64", "--heads", "8", "--head-dim",
+                                 "8", "--cp", "2", "4", "--repeats", "1", "--json",
+                                 str(out)]) == 0
+    rows = {r["cp"]: r["layout"] for r in json.loads(out.read_text())["rows"]}
+    for cp, layout in rows.items():
+        packed, ref = layout["packed"], layout["reference"]
+        assert packed["passes_fwd"] == packed["passes_bwd"] == 2 - 1 / cp
+        assert packed["kernels_fwd"] == packed["kernels_bwd"] == 10
+        assert (ref["passes_fwd"], ref["passes_bwd"]) == (3, 4 * cp)
+        assert (ref["kernels_fwd"], ref["kernels_bwd"]) == (12, 16 * cp)
+    assert "| 2 |" in capsys.readouterr().out
