@@ -27,8 +27,8 @@ k and v in one exchange), runs the variant's full-sequence ``attend`` on its sha
 and exchanges the output back (``heads_to_sequence``); autograd runs the exchanges backwards.
 2 - 1/N full passes per tensor each way (the peers' share: a packing copy and the transfer;
 the own share: one copy). Key/value heads fewer than N are replicated (as megatron does for
-TP) by that packing copy; per-head parameters of a
-variant are read through ``cp_heads`` (this CP rank's rows).
+TP) by that packing copy; per-head parameters of a variant are read through ``cp_heads`` (this
+CP rank's rows).
 
 Decoding (docs/inference.md): with megatron's static inference context, ``SubqSelfAttention``
 (variants/standard.py) hands the context and the chunk's first position to the core
@@ -358,9 +358,9 @@ def zigzag_chunks(cp: int):
 # broadcast in the packing copy, and this rank's own slice never travels: it is copied once,
 # straight to its place. Full-tensor passes per tensor (q, k, v, output), each direction:
 # 2 - 1/cp (the peers' share: a packing copy + the transfer; the own share: one copy), against 3
-# before (+1 for replicated key/value heads) and, backward, autograd's zero-filled chunk buffers
-# summed (2·cp passes). megatron_subq/testing/cp_reference.py keeps that path; docs/variants.md
-# has the counts.
+# forward before (+1 for replicated key/value heads) and 4·cp backward (autograd's views of the
+# chunk reorder: a full-size gradient per chunk, summed). megatron_subq/testing/cp_reference.py
+# keeps that path; docs/variants.md has the counts.
 def _chunk(cp: int, rank: int, half: int) -> int:
     """The natural-order chunk that CP rank ``rank`` holds as its ``half`` (0, 1)."""
     return rank if half == 0 else 2 * cp - 1 - rank

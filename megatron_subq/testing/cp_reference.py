@@ -6,7 +6,7 @@ packed exchange of ``megatron_subq.attention`` (``qkv_sequence_to_heads`` /
 Per tensor and direction it makes three full copies (the exchange buffer, the
 ``all_to_all_single``, the zig-zag chunk reorder) plus a fourth for key/value heads fewer than
 the CP size (``replicate_kv_heads``); its backward goes through autograd's views of the
-reorder (a zero-filled buffer per chunk, summed)."""
+reorder (a full-size gradient per chunk, summed: 4·cp passes per tensor in all)."""
 
 from __future__ import annotations
 
