@@ -22,10 +22,13 @@ the only ones that do not, refuse them in their own attention and model.
 Context parallelism (``Variant.context_parallel == "all_to_all"``, ``pg_collection.cp`` of N > 1
 ranks): q/k/v arrive sequence-sharded ``[s/N, b, heads, d]`` in megatron's zig-zag order (rank r
 holds chunks r and 2N-1-r of 2N). ``forward`` exchanges them over the CP group (all-to-all) for
-``[s, b, heads/N, d]``, puts the tokens in natural order, runs the variant's full-sequence
-``attend`` on its share of the heads, and reverses both steps for the output; autograd runs the
-exchange backwards. Key/value heads fewer than N are replicated first (as megatron does for TP);
-per-head parameters of a variant are read through ``cp_heads`` (this CP rank's rows).
+``[s, b, heads/N, d]`` with the tokens landing in natural order (``qkv_sequence_to_heads``: q,
+k and v in one exchange), runs the variant's full-sequence ``attend`` on its share of the heads,
+and exchanges the output back (``heads_to_sequence``); autograd runs the exchanges backwards.
+2 - 1/N full passes per tensor each way (the peers' share: a packing copy and the transfer;
+the own share: one copy). Key/value heads fewer than N are replicated (as megatron does for
+TP) by that packing copy; per-head parameters of a variant are read through ``cp_heads`` (this
+CP rank's rows).
 
 Decoding (docs/inference.md): with megatron's static inference context, ``SubqSelfAttention``
 (variants/standard.py) hands the context and the chunk's first position to the core
@@ -212,14 +215,14 @@ class SubqCoreAttention(MegatronModule):
             out = self._attend_state_passing(q, k, v).transpose(0, 1)
             return out.reshape(out.shape[0], out.shape[1], -1)
         if self.cp_size > 1:  # [s/cp, b, h, d] zig-zag -> [s, b, h/cp, d] natural order
-            query = sequence_to_heads(query, self.cp_group, self.query_head_stacks)
-            key, value = (sequence_to_heads(replicate_kv_heads(x, self.cp_size), self.cp_group)
-                          for x in (key, value))
+            query, key, value = qkv_sequence_to_heads(query, key, value, self.cp_group,
+                                                      self.query_head_stacks, self.cp_size,
+                                                      self.cp_rank)
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, h, d]
         out = self.attend(q, k, v)  # [b, s, np, hn]
         out = out.transpose(0, 1)  # [s, b, np, hn]
         if self.cp_size > 1:
-            out = heads_to_sequence(out, self.cp_group)
+            out = heads_to_sequence(out, self.cp_group, self.cp_size, self.cp_rank)
         return out.reshape(out.shape[0], out.shape[1], -1)  # [s, b, np*hn]
 
     def _attend_state_passing(self, q, k, v):
@@ -321,25 +324,6 @@ def check_context_parallel(variant, mode: str, cp: int, heads_tp: int, groups_tp
                          "divisor or a multiple of it")
 
 
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` over dim 0 (one equal slice per rank); its adjoint is itself."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
-
-
 class _AllGather(torch.autograd.Function):
     """``all_gather`` of equal tensors into ``[ranks, ...]``; backward: the gradient summed over
     the ranks (each used every rank's slot), this rank's slot returned (all-reduce: gloo has no
@@ -366,38 +350,240 @@ def zigzag_chunks(cp: int):
     return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
 
 
-def _reorder_chunks(x: torch.Tensor, order) -> torch.Tensor:
-    """x [s, ...] seen as len(order) equal chunks along dim 0 -> chunks ``order[0], order[1], ..``."""
-    chunks = x.view(len(order), x.shape[0] // len(order), *x.shape[1:])
-    return torch.cat([chunks[i] for i in order])  # slices: no index tensor copied to the device
+# The exchange of the all-to-all path (issue 24: its layout work used to cost 11-37% of an op).
+# Each CP rank holds two zig-zag chunks of c = s/(2·cp) tokens (half 0: chunk r, half 1: chunk
+# 2·cp-1-r) for all heads; after the exchange it holds all 2·cp chunks, in natural order, of its
+# head slice. Every message is one (peer, half) chunk of one tensor, contiguous on both sides, so
+# the zig-zag undo is where the receive lands (no reorder pass), the GQA replication is a
+# broadcast in the packing copy, and this rank's own slice never travels: it is copied once,
+# straight to its place. Full-tensor passes per tensor (q, k, v, output), each direction:
+# 2 - 1/cp (the peers' share: a packing copy + the transfer; the own share: one copy), against 3
+# forward before (+1 for replicated key/value heads) and 4·cp backward (autograd's views of the
+# chunk reorder: a full-size gradient per chunk, summed). megatron_subq/testing/cp_reference.py
+# keeps that path; docs/variants.md has the counts.
+def _chunk(cp: int, rank: int, half: int) -> int:
+    """The natural-order chunk that CP rank ``rank`` holds as its ``half`` (0, 1)."""
+    return rank if half == 0 else 2 * cp - 1 - rank
 
 
-def replicate_kv_heads(x: torch.Tensor, cp: int) -> torch.Tensor:
-    """Key/value heads ``[s, b, g, d]`` repeated to ``cp`` heads when g < cp (each head's
-    copies adjacent, so CP rank r gets head r·g/cp, the group of its query heads); unchanged
-    otherwise. The gradient of the copies sums back (autograd of ``repeat_interleave``)."""
-    g = x.shape[2]
-    return x if g >= cp else x.repeat_interleave(cp // g, dim=2)
+def _routes(cp: int, rank: int):
+    """The messages between this rank and its peers, in the order both sides list them: per
+    peer, its halves 0 and 1 (this rank's own chunks never travel: local copies)."""
+    return [(peer, half) for peer in range(cp) if peer != rank for half in (0, 1)]
 
 
-def sequence_to_heads(x: torch.Tensor, group, stacks: int = 1) -> torch.Tensor:
-    """``[s/cp, b, stacks·h, d]`` (zig-zag sequence shard, all heads) -> ``[s, b, stacks·h/cp,
-    d]`` (whole sequence in natural order, this rank's slice ``h/cp`` of each stack)."""
-    cp = get_pg_size(group)
-    s_local, b, heads, d = x.shape
-    h = heads // stacks
-    x = x.view(s_local, b, stacks, cp, h // cp, d).permute(3, 0, 1, 2, 4, 5)
-    x = _AllToAll.apply(x, group)  # [cp (source rank), s/cp, b, stacks, h/cp, d]
-    x = x.reshape(cp * s_local, b, stacks * (h // cp), d)
-    natural = [zigzag_chunks(cp).index(c) for c in range(2 * cp)]
-    return _reorder_chunks(x, natural)
+def _slot(peer: int, rank: int, compact: bool) -> int:
+    """A peer's index in an exchange buffer: ``compact`` ones hold no slot for this rank."""
+    return peer - 1 if compact and peer > rank else peer
 
 
-def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    """The inverse of ``sequence_to_heads`` (one stack): ``[s, b, h/cp, d]`` natural order ->
-    ``[s/cp, b, h, d]`` this rank's zig-zag shard."""
-    cp = get_pg_size(group)
-    s, b, h, d = x.shape
-    x = _reorder_chunks(x, zigzag_chunks(cp)).view(cp, s // cp, b, h, d)
-    x = _AllToAll.apply(x, group)  # [cp (head slice), s/cp, b, h/cp, d]
-    return x.permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)
+def _copy_others(dst: torch.Tensor, src: torch.Tensor, rank: int, compact: str = "") -> None:
+    """``dst[p] = src[p]`` along dim 0 (peers) for every peer p but ``rank``: one or two copies.
+    ``compact`` ("dst" or "src"): that side holds no slot for ``rank`` (``_slot``)."""
+    cp = src.shape[0] + (compact == "src")
+    if rank:
+        dst[:rank].copy_(src[:rank])
+    if rank + 1 < cp:
+        d0, s0 = rank + (compact != "dst"), rank + (compact != "src")
+        dst[d0:d0 + cp - rank - 1].copy_(src[s0:s0 + cp - rank - 1])
+
+
+def _natural(x: torch.Tensor, cp: int, peer: int, half) -> torch.Tensor:
+    """Of ``x`` ``[2·cp·c, ...]`` in natural order: rank ``peer``'s chunk ``half``, or (half
+    None) both its chunks as one strided ``[2, c, ...]`` view."""
+    v = x.view(2 * cp, x.shape[0] // (2 * cp), *x.shape[1:])
+    if half is None:
+        return v[peer:2 * cp - peer:2 * cp - 1 - 2 * peer]
+    return v[_chunk(cp, peer, half)]
+
+
+def _transfer(sends, recvs, group) -> None:
+    """Deliver ``sends[i] = (tensor, peer)`` into ``recvs[i'] = (tensor, peer)`` (contiguous
+    tensors; peers: ranks of ``group``, never this one; each rank lists its messages to and from
+    every peer in one agreed order, ``_routes``): one batch of point-to-point ops (NCCL: one
+    grouped call, like its all-to-all; gloo: isend/irecv), waited on. tools/bench_cp_layout.py
+    replaces it with local copies (one GPU)."""
+    ops = []
+    for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+        for t, peer in pairs:
+            dst = peer if group is None else dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(op, t, dst, group))
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+
+
+def _packed_regions(buf: torch.Tensor, heads, c: int, b: int, d: int):
+    """Views ``[cp, 2, c, b, n, d]`` of a ``[cp, 2, L]`` exchange buffer, one per tensor of
+    ``n`` heads in ``heads``, back to back along L: message (peer, half) of each tensor is
+    contiguous."""
+    out, off = [], 0
+    for n in heads:
+        size = c * b * n * d
+        out.append(buf[:, :, off:off + size].view(*buf.shape[:2], c, b, n, d))
+        off += size
+    return out
+
+
+def _by_peer_kv(x: torch.Tensor, cp: int, c: int) -> torch.Tensor:
+    """Key/value heads ``[2c, b, g, d]`` (or their gradient's shape) as ``[cp (peer), 2, c, b,
+    g/cp, d]`` for g ≥ cp, else ``[g, 1, 2, c, b, 1, d]`` (peer = head·cp/g + copy: broadcast
+    over the cp/g copies)."""
+    _, b, g, d = x.shape
+    if g >= cp:
+        return x.view(2, c, b, cp, g // cp, d).permute(3, 0, 1, 2, 4, 5)
+    return x.view(2, c, b, g, 1, d).permute(3, 0, 1, 2, 4, 5).unsqueeze(1)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """q ``[2c, b, stacks·h, d]``, k/v ``[2c, b, g, d]`` (this rank's zig-zag chunks, all
+    heads) -> ``[2c·cp, b, n, d]`` each (all chunks in natural order, this rank's heads: ``h/cp``
+    of each query stack, ``max(g, cp)/cp`` key/value heads, those fewer than cp replicated).
+
+    Forward: one copy per tensor packs the peers' head slices into one ``[cp, 2, L]`` buffer
+    (replication: the broadcast of k/v's copy) and this rank's own slice straight into its
+    natural-order place; one transfer for q, k and v lands each peer's message at its
+    natural-order place of three contiguous outputs (the layout ``attend`` had before).
+    Backward, the mirror: the gradients are sent from where they are (contiguous chunks) into one
+    buffer, one copy per tensor unpacks it and this rank's own slice (replicated heads: their
+    sum, as autograd of ``repeat_interleave`` gives)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp, rank, stacks):
+        s_l, b, hq, d = q.shape
+        g, c, h = k.shape[2], s_l // 2, hq // stacks
+        heads = (hq // cp, max(g, cp) // cp, max(g, cp) // cp)
+        ctx.meta = (group, cp, rank, stacks, q.shape, k.shape, heads)
+        compact = g >= cp  # replicated key/value heads fill every slot, this rank's too
+        slots = cp - 1 if compact else cp
+        buf = q.new_empty(slots, 2, c * b * d * sum(heads))
+        regions = _packed_regions(buf, heads, c, b, d)
+        outs = [q.new_empty(2 * c * cp, b, n, d) for n in heads]
+        q_src = q.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
+        _copy_others(regions[0].view(slots, 2, c, b, stacks, h // cp, d), q_src, rank,
+                     "dst" if compact else "")
+        _natural(outs[0], cp, rank, None).view(2, c, b, stacks, h // cp, d).copy_(q_src[rank])
+        for region, x, out in zip(regions[1:], (k, v), outs[1:]):
+            if compact:
+                src = _by_peer_kv(x, cp, c)
+                _copy_others(region, src, rank, "dst")
+                _natural(out, cp, rank, None).copy_(src[rank])
+            else:  # replicas: one broadcasting copy for every peer, this rank's slot included
+                region.view(g, cp // g, 2, c, b, 1, d).copy_(_by_peer_kv(x, cp, c))
+                _natural(out, cp, rank, None).copy_(region[rank])
+        sends, recvs = [], []
+        for peer, half in _routes(cp, rank):
+            for region, out in zip(regions, outs):
+                sends.append((region[_slot(peer, rank, compact), half], peer))
+                recvs.append((_natural(out, cp, peer, half), peer))
+        _transfer(sends, recvs, group)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv):
+        group, cp, rank, stacks, q_shape, k_shape, heads = ctx.meta
+        s_l, b, hq, d = q_shape
+        g, c, h = k_shape[2], s_l // 2, hq // stacks
+        grads = [x.contiguous() for x in (gq, gk, gv)]  # a no-op for attend's usual [b=1, ...]
+        compact = g >= cp
+        slots = cp - 1 if compact else cp
+        buf = gq.new_empty(slots, 2, c * b * d * sum(heads))
+        regions = _packed_regions(buf, heads, c, b, d)
+        sends, recvs = [], []
+        for peer, half in _routes(cp, rank):
+            for region, grad in zip(regions, grads):
+                sends.append((_natural(grad, cp, peer, half), peer))
+                recvs.append((region[_slot(peer, rank, compact), half], peer))
+        _transfer(sends, recvs, group)
+        dq = gq.new_empty(q_shape)
+        dq_dst = dq.view(2, c, b, stacks, cp, h // cp, d).permute(4, 0, 1, 2, 3, 5, 6)
+        _copy_others(dq_dst, regions[0].view(slots, 2, c, b, stacks, h // cp, d), rank,
+                     "src" if compact else "")
+        dq_dst[rank].copy_(_natural(grads[0], cp, rank, None).view(2, c, b, stacks, h // cp, d))
+        dkv = []
+        for region, grad in zip(regions[1:], grads[1:]):
+            dx = gq.new_empty(k_shape)
+            dst = _by_peer_kv(dx, cp, c)
+            if compact:
+                _copy_others(dst, region, rank, "src")
+                dst[rank].copy_(_natural(grad, cp, rank, None))
+            else:  # the replicas' gradients summed, this rank's among them
+                region[rank].copy_(_natural(grad, cp, rank, None))
+                torch.sum(region.view(g, cp // g, 2, c, b, 1, d), dim=1, keepdim=True, out=dst)
+            dkv.append(dx)
+        return dq, dkv[0], dkv[1], None, None, None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """``[2c·cp, b, n, d]`` (natural order, this rank's heads) -> ``[2c, b, cp·n, d]`` (this
+    rank's zig-zag chunks, all heads; head slice of rank p at ``p·n``). Forward: one transfer
+    sends each chunk from where it is into a ``[cp, 2, c, b, n, d]`` buffer, one copy unpacks
+    it into the head order (this rank's own chunks straight from the input). Backward, the
+    mirror: one packing copy (own chunks straight into the gradient), one transfer into the
+    natural-order gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, cp, rank):
+        x = x.contiguous()  # a no-op for attend's [b=1, ...] output
+        s, b, n, d = x.shape
+        c = s // (2 * cp)
+        ctx.meta = (group, cp, rank, x.shape)
+        buf = x.new_empty(cp - 1, 2, c, b, n, d)  # the peers' messages
+        sends, recvs = [], []
+        for peer, half in _routes(cp, rank):
+            sends.append((_natural(x, cp, peer, half), peer))
+            recvs.append((buf[_slot(peer, rank, True), half], peer))
+        _transfer(sends, recvs, group)
+        out = x.new_empty(2 * c, b, cp * n, d)
+        dst = out.view(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
+        _copy_others(dst, buf, rank, "src")
+        dst[rank].copy_(_natural(x, cp, rank, None))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, cp, rank, shape = ctx.meta
+        s, b, n, d = shape
+        c = s // (2 * cp)
+        src = grad.reshape(2, c, b, cp, n, d).permute(3, 0, 1, 2, 4, 5)
+        buf = grad.new_empty(cp - 1, 2, c, b, n, d)  # the messages to the peers
+        _copy_others(buf, src, rank, "dst")
+        dx = grad.new_empty(shape)
+        _natural(dx, cp, rank, None).copy_(src[rank])
+        sends, recvs = [], []
+        for peer, half in _routes(cp, rank):
+            sends.append((buf[_slot(peer, rank, True), half], peer))
+            recvs.append((_natural(dx, cp, peer, half), peer))
+        _transfer(sends, recvs, group)
+        return dx, None, None, None
+
+
+def _cp_size_rank(group, cp, rank):
+    """The CP size and this rank's place in ``group`` unless given."""
+    cp = get_pg_size(group) if cp is None else cp
+    return cp, (get_pg_rank(group) if rank is None else rank)
+
+
+def qkv_sequence_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
+                          stacks: int = 1, cp: Optional[int] = None, rank: Optional[int] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q ``[s/cp, b, stacks·h, d]``, k/v ``[s/cp, b, g, d]`` (this rank's zig-zag sequence
+    shard, all heads) -> q ``[s, b, stacks·h/cp, d]`` (this rank's slice ``h/cp`` of each stack,
+    so a head keeps its companions), k/v ``[s, b, max(g, cp)/cp, d]`` (key/value heads fewer
+    than cp replicated, each head's copies on consecutive ranks: rank r gets head r·g/cp, the
+    group of its query heads), the whole sequence in natural order; contiguous (what ``attend``
+    has always been given: results are bitwise those of three separate exchanges). One
+    exchange for the three (``_SequenceToHeads``: a packing copy and the transfer, 2 - 1/cp
+    passes per tensor, each way); autograd runs it backwards. ``cp``/``rank`` default to the
+    group's (tools/bench_cp_layout.py passes them: it simulates the other ranks)."""
+    cp, rank = _cp_size_rank(group, cp, rank)
+    return _SequenceToHeads.apply(q, k, v, group, cp, rank, stacks)
+
+
+def heads_to_sequence(x: torch.Tensor, group, cp: Optional[int] = None,
+                      rank: Optional[int] = None) -> torch.Tensor:
+    """The inverse for the output: ``[s, b, h/cp, d]`` natural order, this rank's heads ->
+    ``[s/cp, b, h, d]`` this rank's zig-zag shard, all heads (contiguous, ready for the output
+    projection). The transfer and an unpacking copy, each way, 2 - 1/cp passes
+    (``_HeadsToSequence``)."""
+    cp, rank = _cp_size_rank(group, cp, rank)
+    return _HeadsToSequence.apply(x, group, cp, rank)

@@ -1,17 +1,29 @@
 #!/usr/bin/env python
-"""What context parallelism's all-to-all path adds around an op, on one GPU: the layout work.
+"""What context parallelism's all-to-all path adds around an op, on one device: the layout work.
 
-    python tools/bench_cp_layout.py [--seq 65536] [--heads 16] [--head-dim 128] [--cp 2 4]
-        [--variants standard asa superlinear] [--json FILE]
+    python tools/bench_cp_layout.py [--seq 65536] [--heads 16] [--kv-heads N] [--head-dim 128]
+        [--cp 2 4] [--variants standard asa superlinear] [--device cuda|cpu] [--json FILE]
 
-Per CP size, one rank's share: ``sequence_to_heads`` on q, k, v and ``heads_to_sequence`` on
-the output (megatron_subq/attention.py: the views, permutes, the zig-zag chunk reorders and
-the exchange buffer), forward and backward, against the op it wraps, forward and backward, on
-the ``[1, seq, heads/cp, head_dim]`` tensors that rank attends (bf16). The exchange itself is a
-local copy here (one GPU: no other rank), so the NCCL transfer is not in the number; the
-permutation work is, which is what runs on every GPU whatever the interconnect. CUDA events,
-median of --repeats after a warm-up: the device's time (the GPU busy first while the host
-enqueues, so launch overhead is hidden) and the eager time (as a step runs it).
+Per CP size, one rank's share of the exchange around ``attend`` (megatron_subq/attention.py):
+``qkv_sequence_to_heads`` on q, k, v and ``heads_to_sequence`` on the output, forward and
+backward ("packed", the current path), and the same through the pre-issue-24 path
+(megatron_subq/testing/cp_reference.py: three ``sequence_to_heads``, ``heads_to_sequence``;
+"reference"), against the op it wraps, forward and backward, on the ``[1, seq, heads/cp,
+head_dim]`` tensors that rank attends (bf16; GPU only). The stand-in for ``attend`` passes q
+through and backward feeds given gradients to q, k and v (no arithmetic in the number).
+
+One process, one device: the exchange is simulated by local copies of the same bytes (the
+reference's ``all_to_all_single`` a clone of its buffer, the packed path's transfer one copy
+per message to a peer; the simulated rank is rank 0), so the interconnect is not in the
+number; the permutation work is, which is what runs on every GPU whatever the interconnect.
+Also counted, per path and direction, on the same tensors: the kernels that write memory
+(aten ops other than views; a transfer counts as one, as NCCL groups it) and the bytes they
+write in units of q + k + v + output ("passes per tensor"; a transfer counts the bytes it
+delivers: the reference's all-to-all its whole buffer, own slice included, as NCCL copies it).
+CUDA events, median of --repeats after a warm-up: the device's time (the GPU busy first while
+the host enqueues, so launch overhead is hidden) and the eager time (as a step runs it).
+``--device cpu``: the layout only, wall-clock medians (a rough before/after at small sizes).
+Prints one line per measurement, a JSON document (and --json FILE) and markdown rows.
 """
 
 from __future__ import annotations
@@ -19,14 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from unittest import mock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torch  # noqa: E402
-
-from tools.gpu_timing import median_ms  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def _op(variant, heads, d, seq, dev):
@@ -48,41 +61,192 @@ def _op(variant, heads, d, seq, dev):
     raise SystemExit(f"--variants: {variant} is not one of standard, asa, superlinear")
 
 
+_COUNTER = None  # the _WriteCounter active, if any
+
+
+class _WriteCounter(TorchDispatchMode):
+    """Counts the aten ops that produce new memory (views and metadata ops excluded) and the
+    bytes of their outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.bytes = 0, 0
+
+    def __enter__(self):
+        global _COUNTER
+        _COUNTER = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        global _COUNTER
+        _COUNTER = None
+        return super().__exit__(*exc)
+
+    # ops that only make views or allocate without writing
+    METADATA = {"view", "_unsafe_view", "_reshape_alias", "reshape", "permute", "transpose",
+                "t", "expand", "slice", "select", "narrow", "unsqueeze", "squeeze", "alias",
+                "detach", "as_strided", "split", "split_with_sizes", "unbind", "empty",
+                "new_empty", "empty_like", "empty_strided", "new_empty_strided"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.METADATA:
+            return out
+        written = [t for t in (out if isinstance(out, (tuple, list)) else [out])
+                   if isinstance(t, torch.Tensor)]
+        if written:
+            self.kernels += 1
+            self.bytes += sum(t.numel() * t.element_size() for t in written)
+        return out
+
+
+def _layouts(cp, local, heads, kv_heads, d, dev, dt):
+    """(name -> (forward, backward)) for the two paths, on fresh leaf tensors; each forward
+    returns what its backward needs."""
+    from megatron_subq import attention
+    from megatron_subq.testing import cp_reference
+
+    def leaves():
+        return [torch.randn(local, 1, n, d, device=dev, dtype=dt, requires_grad=True)
+                for n in (heads, kv_heads, kv_heads)]
+
+    def grads(outs):
+        return [torch.ones_like(x) for x in outs]
+
+    qkv = leaves()
+
+    def packed_fwd():
+        q, k, v = attention.qkv_sequence_to_heads(*qkv, None, 1, cp, 0)
+        return [attention.heads_to_sequence(q, None, cp, 0), k, v]
+
+    def reference_fwd():
+        q = cp_reference.sequence_to_heads(qkv[0], None)
+        k, v = (cp_reference.sequence_to_heads(cp_reference.replicate_kv_heads(x, cp), None)
+                for x in qkv[1:])
+        return [cp_reference.heads_to_sequence(q, None), k, v]
+
+    def backward(outs, gs):
+        torch.autograd.backward(outs, gs)
+
+    return qkv, {"packed": packed_fwd, "reference": reference_fwd}, backward, grads
+
+
+def _simulated(cp):
+    """Patches standing in for the other ranks: the reference's all_to_all a clone, the packed
+    path's transfer a copy per message."""
+    from megatron_subq import attention
+    from megatron_subq.testing import cp_reference
+
+    def transfer(sends, recvs, group):
+        """Copies of the messages' sizes, counted as one kernel (NCCL's grouped send/recv)."""
+        for (dst, _), (src, _) in zip(recvs, sends):
+            if _COUNTER is None:
+                dst.copy_(src)
+            else:
+                with torch.utils._python_dispatch._disable_current_modes():
+                    dst.copy_(src)
+                _COUNTER.bytes += dst.numel() * dst.element_size()
+        if _COUNTER is not None and sends:
+            _COUNTER.kernels += 1
+
+    return [mock.patch.object(cp_reference, "get_pg_size", lambda group: cp),
+            mock.patch.object(cp_reference._AllToAll, "apply",
+                              staticmethod(lambda x, group: x.contiguous().clone())),
+            mock.patch.object(attention, "_transfer", transfer)]
+
+
+def _cpu_median_ms(fn, warmup=2, repeat=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t))
+    return statistics.median(times)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=65536)
     p.add_argument("--heads", type=int, default=16, help="heads per TP rank before the split")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads per TP rank (default: --heads)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--variants", nargs="+", default=["standard", "asa", "superlinear"])
+    p.add_argument("--variants", nargs="*", default=["standard", "asa", "superlinear"])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_cp_layout.py needs a CUDA GPU")
+    kv = a.kv_heads or a.heads
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_cp_layout.py --device cuda needs a CUDA GPU (--device cpu: the "
+                         "layout only)")
     for cp in a.cp:
-        if cp < 2 or a.heads % cp or a.seq % (2 * cp):
-            raise SystemExit(f"--cp {cp}: needs cp >= 2 dividing --heads {a.heads} and "
-                             f"2 x cp dividing --seq {a.seq}")
-    from megatron_subq import attention
+        if cp < 2 or a.heads % cp or a.seq % (2 * cp) or (kv % cp and cp % kv):
+            raise SystemExit(f"--cp {cp}: needs cp >= 2 dividing --heads {a.heads}, 2 x cp "
+                             f"dividing --seq {a.seq}, and a divisor or multiple of --kv-heads")
+    from contextlib import ExitStack
 
-    dev = torch.device("cuda")
+    gpu = a.device == "cuda"
+    dev = torch.device(a.device)
+    dt = torch.bfloat16 if gpu else torch.float32
+    if gpu:
+        from tools.gpu_timing import median_ms
     rows = []
     for cp in a.cp:
         local = a.seq // cp
-        qkv = [torch.randn(local, 1, a.heads, a.head_dim, device=dev, dtype=torch.bfloat16,
-                           requires_grad=True) for _ in range(3)]
+        layout = {}
+        with ExitStack() as stack:
+            for patch in _simulated(cp):
+                stack.enter_context(patch)
+            qkv, paths, backward, grads = _layouts(cp, local, a.heads, kv, a.head_dim, dev, dt)
+            unit = sum(x.numel() for x in qkv) + qkv[0].numel()  # q, k, v and the output
+            for name, fwd in paths.items():
+                outs = fwd()
+                gs = grads(outs)
+                counts = {}
+                for x in qkv:
+                    x.grad = None
+                for direction in ("fwd", "bwd"):
+                    with _WriteCounter() as c:
+                        if direction == "fwd":
+                            outs = fwd()
+                        else:
+                            backward(outs, gs)
+                    counts[direction] = (c.kernels, round(c.bytes / (unit * dt.itemsize), 2))
 
-        def layout():
-            q, k, v = (attention.sequence_to_heads(x, None) for x in qkv)
-            out = attention.heads_to_sequence(q + k + v, None)
-            out.backward(torch.ones_like(out))
+                def step(fwd=fwd, gs=gs):
+                    for x in qkv:  # no accumulation pass into .grad
+                        x.grad = None
+                    backward(fwd(), gs)
 
-        with mock.patch.object(attention, "get_pg_size", lambda group, cp=cp: cp), \
-                mock.patch.object(attention._AllToAll, "apply",
-                                  staticmethod(lambda x, group: x.contiguous().clone())):
-            layout_ms = median_ms(layout, repeat=a.repeats, queue_full=True)
-            layout_eager = median_ms(layout, repeat=a.repeats)
+                if gpu:
+                    ms = median_ms(step, repeat=a.repeats, queue_full=True)
+                    eager = median_ms(step, repeat=a.repeats)
+                else:
+                    ms = eager = _cpu_median_ms(step, repeat=a.repeats)
+                for x in qkv:
+                    x.grad = None
+                layout[name] = {"ms": ms, "eager_ms": eager, "kernels_fwd": counts["fwd"][0],
+                                "passes_fwd": counts["fwd"][1], "kernels_bwd": counts["bwd"][0],
+                                "passes_bwd": counts["bwd"][1]}
+                print(f"cp {cp}  layout {name:<9} {'device' if gpu else 'cpu'} time {ms:7.3f} ms"
+                      f" (eager {eager:7.3f}) | kernels fwd {counts['fwd'][0]:3d} bwd "
+                      f"{counts['bwd'][0]:3d} | passes per tensor fwd {counts['fwd'][1]:5.2f} "
+                      f"bwd {counts['bwd'][1]:5.2f}", flush=True)
+            del qkv, paths
+        base = {"cp": cp, "seq": a.seq, "heads_after_split": a.heads // cp, "kv_heads": kv,
+                "head_dim": a.head_dim, "device": a.device,
+                "layout_ms": round(layout["packed"]["ms"], 3),
+                "layout_eager_ms": round(layout["packed"]["eager_ms"], 3),
+                "layout_reference_ms": round(layout["reference"]["ms"], 3),
+                "layout_reference_eager_ms": round(layout["reference"]["eager_ms"], 3),
+                "layout": layout}
+        if not gpu or not a.variants:
+            rows.append(base)
+            continue
         for variant in a.variants:
             fn, inputs = _op(variant, a.heads // cp, a.head_dim, a.seq, dev)
 
@@ -91,22 +255,38 @@ def main(argv=None) -> int:
                 out.backward(torch.ones_like(out))
 
             op_ms, op_eager = (median_ms(op, repeat=a.repeats, queue_full=True),
-                                median_ms(op, repeat=a.repeats))
-            rows.append({"cp": cp, "variant": variant, "seq": a.seq,
-                         "heads_after_split": a.heads // cp, "head_dim": a.head_dim,
-                         "layout_ms": round(layout_ms, 3), "op_ms": round(op_ms, 3),
-                         "layout_fraction": round(layout_ms / op_ms, 4),
-                         "layout_eager_ms": round(layout_eager, 3),
-                         "op_eager_ms": round(op_eager, 3)})
+                               median_ms(op, repeat=a.repeats))
+            rows.append({**base, "variant": variant, "op_ms": round(op_ms, 3),
+                         "op_eager_ms": round(op_eager, 3),
+                         "layout_fraction": round(base["layout_ms"] / op_ms, 4),
+                         "layout_reference_fraction": round(base["layout_reference_ms"] / op_ms,
+                                                            4)})
             print(f"cp {cp}  {variant:<12} device time: op fwd+bwd {op_ms:8.2f} ms, layout "
-                  f"{layout_ms:6.2f} ms = {100 * layout_ms / op_ms:5.1f}% | eager: op "
-                  f"{op_eager:8.2f} ms, layout {layout_eager:6.2f} ms", flush=True)
+                  f"{base['layout_ms']:6.2f} ms = {100 * base['layout_ms'] / op_ms:5.1f}% "
+                  f"(reference {base['layout_reference_ms']:6.2f} ms = "
+                  f"{100 * base['layout_reference_ms'] / op_ms:5.1f}%) | eager: op "
+                  f"{op_eager:8.2f} ms", flush=True)
             del inputs
             torch.cuda.empty_cache()
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    info = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
+            "args": vars(a), "rows": rows}
+    print(json.dumps(info, indent=1))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(info, f, indent=1)
+    print("\n| N | layout packed (was) | passes/tensor fwd, bwd (was) | kernels fwd, bwd (was) |"
+          + (" op | layout / op (was) |" if gpu and a.variants else ""))
+    print("| --- | --- | --- | --- |" + (" --- | --- |" if gpu and a.variants else ""))
+    for r in rows:
+        lp, lr = r["layout"]["packed"], r["layout"]["reference"]
+        line = (f"| {r['cp']} | {r['layout_ms']:.3g} ms ({r['layout_reference_ms']:.3g} ms) | "
+                f"{lp['passes_fwd']}, {lp['passes_bwd']} ({lr['passes_fwd']}, "
+                f"{lr['passes_bwd']}) | {lp['kernels_fwd']}, {lp['kernels_bwd']} "
+                f"({lr['kernels_fwd']}, {lr['kernels_bwd']}) |")
+        if "variant" in r:
+            line += (f" {r['variant']} {r['op_ms']:.3g} ms | {100 * r['layout_fraction']:.1f}% "
+                     f"({100 * r['layout_reference_fraction']:.1f}%) |")
+        print(line)
     return 0
 
 
