@@ -365,8 +365,7 @@ def test_decode_plan_gpu_graph_replays_every_length():
     L = 1 << 20
     q, q_s, k, v = _nemotron_decode_inputs(L)
     plan = SuperlinearDecodePlan(1, 32, 2, 128, capacity=L, dtype=q.dtype, device=q.device,
-                                 **{n: x for n, x in ISSUE_KNOBS.items() if n != "topk"},
-                                 topk=ISSUE_KNOBS["topk"])
+                                 **ISSUE_KNOBS)
     plan.set_length(L)
     graph, out = capture_cuda_graph(lambda: plan.run(q, q_s, k, v))
     for length in (L // 2 + 1, 700_001, L):
