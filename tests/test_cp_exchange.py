@@ -65,3 +65,28 @@ def test_layout_passes_and_kernels(tmp_path, capsys):
         assert (ref["passes_fwd"], ref["passes_bwd"]) == (3, 4 * cp)
         assert (ref["kernels_fwd"], ref["kernels_bwd"]) == (12, 16 * cp)
     assert "| 2 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_layout_tool_times_state_passing(tmp_path, capsys):
+    """tools/bench_cp_layout.py --state-passing on the CPU: one row per CP size and variant, the
+    state passing time against the all-to-all path's (layout + op), and the markdown table."""
+    import json
+
+    from tools import bench_cp_layout
+
+    out = tmp_path / "layout.json"
+    assert bench_cp_layout.main(["--device", "cpu", "--seq", "64", "--heads", "4", "--head-dim",
+                                 "8", "--cp", "2", "4", "--repeats", "1", "--state-passing",
+                                 "asa", "approx", "nonapprox", "--json", str(out)]) == 0
+    info = json.loads(out.read_text())
+    assert [r["cp"] for r in info["rows"]] == [2, 4]
+    rows = info["state_passing_rows"]
+    assert [(r["cp"], r["variant"]) for r in rows] == [
+        (cp, v) for cp in (2, 4) for v in ("asa", "approx", "nonapprox")]
+    for r in rows:
+        assert r["state_passing_ms"] > 0 and r["all_to_all_op_ms"] > 0
+        assert r["all_to_all_ms"] == pytest.approx(r["layout_ms"] + r["all_to_all_op_ms"],
+                                                   abs=2e-3)
+        assert r["chunk_tokens"] == 64 // (2 * r["cp"])
+    assert "| state passing / all-to-all |" in capsys.readouterr().out

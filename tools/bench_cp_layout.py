@@ -3,6 +3,7 @@
 
     python tools/bench_cp_layout.py [--seq 65536] [--heads 16] [--kv-heads N] [--head-dim 128]
         [--cp 2 4] [--variants standard asa superlinear] [--device cuda|cpu] [--json FILE]
+        [--state-passing [asa approx nonapprox]]
 
 Per CP size, one rank's share of the exchange around ``attend`` (megatron_subq/attention.py):
 ``qkv_sequence_to_heads`` on q, k, v and ``heads_to_sequence`` on the output, forward and
@@ -24,6 +25,22 @@ CUDA events, median of --repeats after a warm-up: the device's time (the GPU bus
 the host enqueues, so launch overhead is hidden) and the eager time (as a step runs it).
 ``--device cpu``: the layout only, wall-clock medians (a rough before/after at small sizes).
 Prints one line per measurement, a JSON document (and --json FILE) and markdown rows.
+
+``--state-passing [VARIANT ...]`` (asa, approx, nonapprox; none named: asa) adds, per CP size,
+the other CP scheme (``context_parallel_scheme="state_passing"``) on one rank, forward and
+backward: the variant's real core attention (built in a world of one, megatron's parallel state
+from ``init_single_process``; its CP size and rank then set to N and 0) runs
+``SubqCoreAttention._attend_state_passing`` on the rank's two zig-zag chunks of seq/(2N) tokens
+with every head (state passing keeps heads whole): ``chunk_state`` of both, the all-gather
+(simulated: the own states stacked N times, the bytes it delivers), ``states_before`` and
+``attend_from_state`` of both, gradients to q, k, v and the core's parameters. Against it, the
+all-to-all path on the same rank: the packed layout measured above plus the same variant's core
+``attend`` on ``[1, seq, heads/N, head_dim]`` (forward and backward, the same config), and the
+ratio state passing / all-to-all. On the GPU both in device and eager time; ``--device cpu``
+too (wall clock). Printed per measurement, in the JSON's ``state_passing_rows`` and as a second
+markdown table; the layout rows and the other output are unchanged. For the H200 numbers::
+
+    python tools/bench_cp_layout.py --cp 2 4 --variants asa --state-passing asa approx nonapprox
 """
 
 from __future__ import annotations
@@ -166,6 +183,125 @@ def _cpu_median_ms(fn, warmup=2, repeat=10):
     return statistics.median(times)
 
 
+STATE_PASSING_VARIANTS = ("asa", "approx", "nonapprox")
+
+
+def _core(variant, heads, kv_heads, d, dev, dt):
+    """The variant's real core attention (``SubqCoreAttention``) for ``heads`` query and
+    ``kv_heads`` key/value heads, built at CP = 1 in the world of one, its parameters in ``dt``
+    on ``dev``."""
+    from megatron_subq import SubqTransformerConfig
+    from megatron_subq.variants.approx import ApproxCoreAttention
+    from megatron_subq.variants.asa import ASACoreAttention
+    from megatron_subq.variants.nonapprox import NonapproxCoreAttention
+
+    core_cls = {"asa": ASACoreAttention, "approx": ApproxCoreAttention,
+                "nonapprox": NonapproxCoreAttention}[variant]
+    cfg = SubqTransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                                num_query_groups=kv_heads, kv_channels=d,
+                                attention_variant=variant, params_dtype=dt,
+                                use_cpu_initialization=dev.type == "cpu")
+    return core_cls(cfg, layer_number=1).to(device=dev, dtype=dt)
+
+
+def _state_passing(variant, cp, seq, heads, kv_heads, d, dev, dt):
+    """(step, leaves, core, state bytes): one CP rank's forward + backward through the real
+    ``SubqCoreAttention._attend_state_passing`` of ``variant``'s core (heads whole; rank 0's two
+    zig-zag chunks of seq / (2 cp) tokens: ``chunk_state`` of both, the all-gather,
+    ``states_before``, ``attend_from_state`` of both), with gradients to q, k, v and the core's
+    parameters. The all-gather is simulated: the own states stacked ``cp`` times (the bytes the
+    gather delivers; its backward sums the ``cp`` slots' gradients, as the all-reduce does)."""
+    from megatron_subq import attention
+
+    core = _core(variant, heads, kv_heads, d, dev, dt)
+    core.cp_size, core.cp_rank, core.cp_mode = cp, 0, "state_passing"
+    local = seq // cp
+    qkv = [torch.randn(1, local, n, d, device=dev, dtype=dt, requires_grad=True)
+           for n in (heads, kv_heads, kv_heads)]
+    params = list(core.parameters())
+    with torch.no_grad():
+        c = local // 2
+        state_bytes = sum(t.numel() * t.element_size()
+                          for t in core.chunk_state(qkv[0][:, :c], qkv[1][:, :c], qkv[2][:, :c]))
+
+    def gather(x, group):
+        return torch.stack([x] * cp)
+
+    def step():
+        for x in qkv + params:  # no accumulation pass into .grad
+            x.grad = None
+        with mock.patch.object(attention._AllGather, "apply", staticmethod(gather)):
+            out = core._attend_state_passing(*qkv)
+        out.backward(torch.ones_like(out))
+
+    return step, qkv, core, 2 * state_bytes
+
+
+def _all_to_all_op(variant, cp, seq, heads, kv_heads, d, dev, dt):
+    """The op the all-to-all path runs on this rank after the exchange: the same variant's core
+    ``attend`` on ``[1, seq, heads / cp, d]`` (key/value heads split, or one replicated),
+    forward + backward with gradients to q, k, v and the core's parameters."""
+    kv_local = kv_heads // cp if kv_heads % cp == 0 else 1
+    core = _core(variant, heads // cp, kv_local, d, dev, dt)
+    qkv = [torch.randn(1, seq, n, d, device=dev, dtype=dt, requires_grad=True)
+           for n in (heads // cp, kv_local, kv_local)]
+    params = list(core.parameters())
+
+    def step():
+        for x in qkv + params:
+            x.grad = None
+        out = core.attend(*qkv)
+        out.backward(torch.ones_like(out))
+
+    return step, qkv, core
+
+
+def _state_passing_rows(a, cp, kv, variants, layout, dev, dt, gpu):
+    """Per variant: one rank's state passing against its all-to-all path (the packed layout
+    just measured + the op on heads/cp), both forward + backward."""
+    if gpu:
+        from tools.gpu_timing import median_ms
+
+        def timed(fn):
+            return median_ms(fn, repeat=a.repeats, queue_full=True), median_ms(fn, repeat=a.repeats)
+    else:
+        def timed(fn):
+            ms = _cpu_median_ms(fn, repeat=a.repeats)
+            return ms, ms
+    rows = []
+    for variant in variants:
+        torch.manual_seed(0)
+        step, qkv, core, state_bytes = _state_passing(variant, cp, a.seq, a.heads, kv,
+                                                      a.head_dim, dev, dt)
+        sp_ms, sp_eager = timed(step)
+        del step, qkv, core
+        step, qkv, core = _all_to_all_op(variant, cp, a.seq, a.heads, kv, a.head_dim, dev, dt)
+        op_ms, op_eager = timed(step)
+        impl = core.config.subq_impl
+        del step, qkv, core
+        if gpu:
+            torch.cuda.empty_cache()
+        a2a = layout["packed"]["ms"] + op_ms
+        a2a_eager = layout["packed"]["eager_ms"] + op_eager
+        rows.append({"cp": cp, "variant": variant, "seq": a.seq, "heads": a.heads,
+                     "kv_heads": kv, "head_dim": a.head_dim, "chunk_tokens": a.seq // (2 * cp),
+                     "device": a.device, "subq_impl": impl, "own_state_bytes": state_bytes,
+                     "gathered_state_bytes": cp * state_bytes,
+                     "state_passing_ms": round(sp_ms, 3),
+                     "state_passing_eager_ms": round(sp_eager, 3),
+                     "layout_ms": round(layout["packed"]["ms"], 3),
+                     "all_to_all_op_ms": round(op_ms, 3),
+                     "all_to_all_op_eager_ms": round(op_eager, 3),
+                     "all_to_all_ms": round(a2a, 3), "all_to_all_eager_ms": round(a2a_eager, 3),
+                     "ratio": round(sp_ms / a2a, 4), "eager_ratio": round(sp_eager / a2a_eager, 4)})
+        print(f"cp {cp}  state passing {variant:<9} {'device' if gpu else 'cpu'} time "
+              f"{sp_ms:8.2f} ms (eager {sp_eager:8.2f}) | all-to-all: layout "
+              f"{layout['packed']['ms']:6.2f} + op on h/{cp} {op_ms:8.2f} = {a2a:8.2f} ms "
+              f"(eager {a2a_eager:8.2f}) | state passing / all-to-all {sp_ms / a2a:5.2f}",
+              flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=65536)
@@ -178,6 +314,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", default=None)
+    p.add_argument("--state-passing", nargs="*", default=None, metavar="VARIANT",
+                   help="also time one CP rank's state passing (heads whole) against the "
+                        "all-to-all path (layout + the op on heads/cp) for these variants "
+                        f"(of {', '.join(STATE_PASSING_VARIANTS)}; none named: asa)")
     a = p.parse_args(argv)
     kv = a.kv_heads or a.heads
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -187,6 +327,20 @@ def main(argv=None) -> int:
         if cp < 2 or a.heads % cp or a.seq % (2 * cp) or (kv % cp and cp % kv):
             raise SystemExit(f"--cp {cp}: needs cp >= 2 dividing --heads {a.heads}, 2 x cp "
                              f"dividing --seq {a.seq}, and a divisor or multiple of --kv-heads")
+    sp_variants = None
+    if a.state_passing is not None:
+        sp_variants = a.state_passing or ["asa"]
+        for name in sp_variants:
+            if name not in STATE_PASSING_VARIANTS:
+                raise SystemExit(f"--state-passing: {name} is not one of "
+                                 f"{', '.join(STATE_PASSING_VARIANTS)}")
+        for cp in a.cp:
+            if a.seq % (2 * cp) or (a.seq // (2 * cp)) < 1:
+                raise SystemExit(f"--state-passing: --seq {a.seq} is not 2 x {cp} chunks")
+        from megatron_subq import init_single_process
+
+        ours = not torch.distributed.is_initialized()  # torn down at the end only if ours
+        init_single_process()
     from contextlib import ExitStack
 
     gpu = a.device == "cuda"
@@ -194,7 +348,7 @@ def main(argv=None) -> int:
     dt = torch.bfloat16 if gpu else torch.float32
     if gpu:
         from tools.gpu_timing import median_ms
-    rows = []
+    rows, sp_rows = [], []
     for cp in a.cp:
         local = a.seq // cp
         layout = {}
@@ -244,6 +398,8 @@ def main(argv=None) -> int:
                 "layout_reference_ms": round(layout["reference"]["ms"], 3),
                 "layout_reference_eager_ms": round(layout["reference"]["eager_ms"], 3),
                 "layout": layout}
+        if sp_variants:
+            sp_rows += _state_passing_rows(a, cp, kv, sp_variants, layout, dev, dt, gpu)
         if not gpu or not a.variants:
             rows.append(base)
             continue
@@ -270,6 +426,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     info = {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__,
             "args": vars(a), "rows": rows}
+    if sp_variants:
+        info["state_passing_rows"] = sp_rows
     print(json.dumps(info, indent=1))
     if a.json:
         with open(a.json, "w") as f:
@@ -287,6 +445,18 @@ def main(argv=None) -> int:
             line += (f" {r['variant']} {r['op_ms']:.3g} ms | {100 * r['layout_fraction']:.1f}% "
                      f"({100 * r['layout_reference_fraction']:.1f}%) |")
         print(line)
+    if sp_variants:
+        print("\n| N | variant | state passing (heads whole) | all-to-all: layout + op on h/N "
+              "| state passing / all-to-all |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in sp_rows:
+            print(f"| {r['cp']} | {r['variant']} | {r['state_passing_ms']:.3g} ms | "
+                  f"{r['all_to_all_ms']:.3g} ms ({r['layout_ms']:.3g} + "
+                  f"{r['all_to_all_op_ms']:.3g}) | {r['ratio']:.2f} |")
+    if sp_variants and ours:
+        from megatron_subq.initialize import destroy_single_process
+
+        destroy_single_process()
     return 0
 
 
