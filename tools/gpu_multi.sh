@@ -90,7 +90,8 @@ if [ -n "$DRY" ]; then
     --mamba-impl pytorch --no-disable-mamba-mem-eff-path --num-experts 4 --moe-ffn-hidden-size 32
     --moe-shared-expert-intermediate-size 64 --moe-router-topk 2 --seq-length 64 --no-bf16
     --num-workers 0"
-  TWONODE_ITERS=${TWONODE_ITERS:-8}; KILL_AFTER=${KILL_AFTER:-1}
+  # enough iterations after the first checkpoint (4) for the kill to land before the end
+  TWONODE_ITERS=${TWONODE_ITERS:-40}; TWONODE_SAVE=${TWONODE_SAVE:-4}; KILL_AFTER=${KILL_AFTER:-1}
   TWONODE_MB=${TWONODE_MB:-2}; TWONODE_GBS=${TWONODE_GBS:-8}
   SCALING_ITERS=${SCALING_ITERS:-4}; WARM=${WARM:-1}; MB=${MB:-2}
   HYB_ITERS=${HYB_ITERS:-4}; HYB_SEQ=${HYB_SEQ:-64}
@@ -165,15 +166,20 @@ gpu_list() {  # first COUNT: "0,1,...", from offset FROM
 PYLIB='
 import json, re, os
 def attempts(path):
-    """the metrics file as a list of attempts (a new one starts where the iteration goes back)"""
+    """the metrics file as a list of attempts: a new one starts where the iteration goes back,
+    or at a line count recorded in PATH.splits (the script writes it before a resumed attempt)"""
     out, last = [], None
     if not os.path.exists(path):
         return out
-    for line in open(path):
-        r = json.loads(line)
+    splits = set(map(int, open(path + ".splits").read().split())) if os.path.exists(path + ".splits") else set()
+    for n, line in enumerate(open(path)):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
         if "lm_loss" not in r:
             continue
-        if last is None or r["iteration"] <= last:
+        if last is None or r["iteration"] <= last or n in splits:
             out.append([])
         out[-1].append(r); last = r["iteration"]
     return out
@@ -266,8 +272,9 @@ stage_twonode() {
     "sequence-parallel=true" "save-interval=$save_every" "exit-signal-handler=true" \
     "lr-warmup-iters=$(( iters / 10 > 0 ? iters / 10 : 1 ))" "seed=1234" "eval-iters=0" || return 1
   # tiny overrides (dry) and EXTRA go after the recipe: the same for A and B
-  # per-rank optimizer buffers: faster saves, resumable at the same layout (all this job needs)
-  local flags=($GPT_TINY --no-dist-ckpt-optim-fully-reshardable $EXTRA)
+  # (the optimizer state is saved fully reshardable, the default: --no-dist-ckpt-optim-fully-
+  # reshardable's per-rank buffers failed to load at TP 2 x DP 2 in the CPU dry run)
+  local flags=($GPT_TINY $EXTRA)
   echo "twonode: $src (${*}), TP 2 (+SP) x DP 2 over 2 \"nodes\" of $(( NGPU / 2 )) GPUs, $iters iterations" \
        "of $gbs x seq, checkpoint every $save_every, B's node 1 killed $kill_after iterations after it" | tee "$TL/plan.txt"
   cp "$TD/twonode.yaml" "$TL/"
@@ -299,6 +306,7 @@ stage_twonode() {
   echo "B attempt 0: exit $rc (non-zero expected), wall $(( SECONDS - t0 )) s, requeued: $(cat "$TD/b.requeued" 2> /dev/null)" | tee "$TL/b.wall"
   if [ -f "$TD/b.requeued" ] && can_start; then
     local t1=$SECONDS
+    wc -l < "$TD/b.jsonl" >> "$TD/b.jsonl.splits"
     submit b 9202 1 "${flags[@]}"
     wait_job "$SUBMIT_PID" $(( CALL_LIMIT - RESERVE )); rc=$?
     echo "B attempt 1: exit $rc, wall $(( SECONDS - t1 )) s; B total $(( SECONDS - t0 )) s" | tee -a "$TL/b.wall"
@@ -309,7 +317,7 @@ stage_twonode() {
 summary_twonode() {
   TD=$WORK/twonode; TL=$WORK/logs/twonode
   [ -d "$TD" ] || return 0
-  cp "$TD"/*.jsonl "$TL/" 2> /dev/null
+  cp "$TD"/*.jsonl* "$TL/" 2> /dev/null
   local n; for n in a b; do [ -d "$TD/$n/logs" ] && cp -r "$TD/$n/logs" "$TL/$n-node-logs"; done
   python3 - "$TD" "$TL" "${WARM:-10}" "$NGPU" <<PY > "$OUT/twonode.md"
 $PYLIB
@@ -326,7 +334,12 @@ ck = None
 for log in sorted(glob.glob(f"{td}/b/logs/*/node0.attempt1.log")):
     m = re.search(r"loaded checkpoint at iteration (\d+)", open(log, errors="replace").read())
     ck = int(m.group(1)) if m else None
-print(f"B's second attempt loaded the checkpoint at iteration {ck}.\n")
+b_att = attempts(f"{td}/b.jsonl")
+iters = max(a) if a else None
+killed = len(b_att) > 1 or (b_att and b_att[0][-1]["iteration"] < (iters or 0))
+print(f"B's first attempt ended at iteration {b_att[0][-1]['iteration'] if b_att else None} of {iters}"
+      f" ({'interrupted' if killed else 'NOT interrupted: the kill came too late'}); its second"
+      f" attempt loaded the checkpoint at iteration {ck}.\n")
 print("| run | attempt | iterations | tokens/s/GPU (after %d) | tokens/s (x%d GPUs) | peak mem/GPU (GB) |" % (warm, ngpu))
 print("|---|---|---|---|---|---|")
 for name in ("a", "b"):
