@@ -28,16 +28,15 @@
 # above head dim 256 yet and runs on the PyTorch reference, ~8x slower (4,568 tokens/s on one H100,
 # docs/results.md): twonode then fits ~60 iterations per call, not 200 (set TWONODE_ITERS=60).
 #
-# Before the device calls, here (once): the wheels and the corpus, preprocessed on this machine
-# so that no call spends its minute on it (data/docs_text_document.{bin,idx}, ~16 MB, git-ignored):
+# Before the device calls, here (once): the wheels and the corpus (7.7 MB; each call preprocesses
+# it into $WORK in ~5-10 s, 13.8M Mistral tokens, unless data/docs_text_document.{bin,idx} exist):
 #   bash ../shared/tools/device-wheels.sh && mkdir -p data && cp ../shared/data/docs-corpus.jsonl.xz data/
-#   python3 tools/preprocess_data.py --input data/docs-corpus.jsonl.xz --output-prefix data/docs \
-#     --tokenizer-type GPTSentencePieceTokenizer --tokenizer-model mistral --workers 2
 # The device calls, in order (kind nvidia-h100-x4, carry [".whl", "data"]; $OUT comes back with
-# <stage>.md, <stage>-logs.tgz and gpu.txt; each invocation stops its runs by CALL_LIMIT=570 s):
-#   1. source .whl/setup.sh && bash tools/gpu_multi.sh twonode            # ~8-9 min
-#   2. source .whl/setup.sh && bash tools/gpu_multi.sh scaling            # ~7-9 min
-#   3. source .whl/setup.sh && bash tools/gpu_multi.sh hybrid longctx     # ~8-9 min
+# <stage>.md, <stage>-logs.tgz and gpu.txt; each invocation stops its runs CALL_LIMIT=570 s after
+# CALL_T0, the call's start, wheels' install included):
+#   1. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh twonode          # ~8-9 min
+#   2. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh scaling          # ~7-9 min
+#   3. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh hybrid longctx   # ~9.5 min
 # (docs/results.md, "Issue 25: the multi-GPU runs, ready to run", has the expected minutes and why.)
 # Back here: `mkdir -p /tmp/m && tar -xzf <files_at>/<stage>-logs.tgz -C /tmp/m`.
 #
@@ -60,7 +59,8 @@ OUT=${OUT:-runs/gpu_multi}
 WORK=${WORK:-/tmp/gpu_multi}
 mkdir -p "$OUT" "$WORK"
 OUT=$(cd "$OUT" && pwd)
-START=$SECONDS
+# the call's clock: from CALL_T0 (epoch seconds, set before `source .whl/setup.sh`) when given
+START=$(( SECONDS - ( $(date +%s) - ${CALL_T0:-$(date +%s)} ) ))
 CALL_LIMIT=${CALL_LIMIT:-570}
 RUN_TIMEOUT=${RUN_TIMEOUT:-480}
 RESERVE=${RESERVE:-25}
@@ -83,7 +83,7 @@ if [ -n "$DRY" ]; then
   MAX_DOCS=${MAX_DOCS:-200}
   GPT_TINY="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-channels 16
     --ffn-hidden-size 128 --seq-length 64 --max-position-embeddings 64 --no-bf16 --num-workers 0
-    --no-overlap-grad-reduce --no-overlap-param-gather"
+    --no-overlap-grad-reduce --no-overlap-param-gather --log-interval 1"
   HYB_TINY="--hybrid-override-pattern M*EM*E --num-layers 6 --hidden-size 64
     --num-attention-heads 8 --num-query-groups 2 --kv-channels 16 --ffn-hidden-size 64
     --mamba-num-heads 8 --mamba-head-dim 16 --mamba-state-dim 16 --mamba-num-groups 4
@@ -416,8 +416,7 @@ stage_scaling() {
       make_cfg recipes/transformer-pp-1.3b-100b.yaml "$cfg" "data-path=[$data]" "train-iters=$iters" \
         "micro-batch-size=$mb" "global-batch-size=$(( mb * n ))" || return 1
     elif [ "$model" = asa ]; then
-      # shellcheck disable=SC2086
-      make_cfg $asa "$cfg" "data-path=[$data]" "train-iters=$iters" \
+      make_cfg "${asa%% *}" "$cfg" "${asa#* }" "data-path=[$data]" "train-iters=$iters" \
         "micro-batch-size=$mb" "global-batch-size=$(( mb * n ))" || return 1
     else
       echo "unknown model $model (tpp, asa)" >&2; return 2
@@ -439,7 +438,7 @@ print("## scaling: weak scaling, the same tokens per GPU per iteration\n")
 print(open(f"{sl}/plan.txt").read())
 import glob
 names = sorted((os.path.basename(p)[:-4] for p in glob.glob(f"{sl}/*.log")),
-               key=lambda s: (s.split("_")[0], "tp" in s, s))
+               key=lambda s: (s.split("_")[0] != "tpp", "tp2" in s, len(s), s))
 base = {}
 print("| run | GPUs | status | iterations | tokens/s/GPU (after %d) | tokens/s total | efficiency vs 1 GPU | peak mem/GPU (GB) |" % warm)
 print("|---|---|---|---|---|---|---|---|")
