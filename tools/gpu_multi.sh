@@ -499,7 +499,7 @@ train-iters: $iters
 lr: 6.0e-4
 min-lr: 6.0e-5
 lr-decay-style: cosine
-lr-warmup-iters: 5
+lr-warmup-iters: $(( iters / 10 > 0 ? iters / 10 : 1 ))
 weight-decay: 0.1
 clip-grad: 1.0
 bf16: true
