@@ -515,17 +515,30 @@ eval-iters: 1
 EOF
   echo "hybrid: Nano-width 12-layer hybrid, superlinear slots, $iters iterations of 8 x ${HYB_SEQ:-4096};" \
        "1 GPU vs TP 2 + SP, EP 2 (expert TP 2), CP 2 on $NGPU" | tee "$SL/plan.txt"
+  # One set of initial weights for both layouts: the trainer draws them per layout (expert
+  # weights differ under EP: the CPU dry run's first losses differed by 0.009 in fp32), so a
+  # 1-GPU launch saves its initial model (1 iteration at LR 0 without the expert-bias update:
+  # the weights stay as drawn) and both runs start from it with --finetune (weights only; the
+  # torch_dist checkpoint reshards to TP 2 / EP 2 on load).
+  can_start || { stamp "hyb_init: skipped (call budget)"; return 1; }
+  SC_PIDS=()
+  launch hyb_init 1 0 "$SD/hybrid.yaml" $(( PORT + 39 )) $HYB_TINY $EXTRA --train-iters 1 \
+    --lr 0 --min-lr 0 --lr-warmup-iters 0 --moe-router-bias-update-rate 0 --eval-iters 0 \
+    --save "$SD/init" --no-save-optim --no-save-rng
+  wait "${SC_PIDS[@]}" 2> /dev/null
+  [ -f "$SD/init/latest_checkpointed_iteration.txt" ] || { stamp "hyb_init: no checkpoint"; return 1; }
   local p
   for p in "hyb_1gpu 1" "hyb_tp2sp_ep2_cp2 $NGPU"; do
     set -- $p
     can_start || { stamp "$1: skipped (call budget)"; echo "exit skipped (call budget)" > "$SL/$1.log"; continue; }
     SC_PIDS=()
     if [ "$2" = 1 ]; then
-      launch "$1" 1 0 "$SD/hybrid.yaml" $(( PORT + 40 )) $HYB_TINY $EXTRA --metrics-file "$SD/$1.jsonl"
+      launch "$1" 1 0 "$SD/hybrid.yaml" $(( PORT + 40 )) $HYB_TINY $EXTRA \
+        --load "$SD/init" --finetune --metrics-file "$SD/$1.jsonl"
     else
       launch "$1" "$2" "$(gpu_list 0 "$2")" "$SD/hybrid.yaml" $(( PORT + 41 )) $HYB_TINY $EXTRA \
         --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 \
-        --context-parallel-size 2 --metrics-file "$SD/$1.jsonl"
+        --context-parallel-size 2 --load "$SD/init" --finetune --metrics-file "$SD/$1.jsonl"
     fi
     wait "${SC_PIDS[@]}" 2> /dev/null
   done
@@ -543,6 +556,7 @@ print(open(f"{sl}/plan.txt").read())
 print("| run | status | iterations | tokens/s/GPU (after %d) | peak mem/GPU (GB) |" % warm)
 print("|---|---|---|---|---|")
 names = ("hyb_1gpu", "hyb_tp2sp_ep2_cp2")
+print(f"| hyb_init (initial weights, 1 iteration at LR 0) | {status(f'{sl}/hyb_init.log')} | | | |")
 for name in names:
     att = attempts(f"{sd}/{name}.jsonl"); recs = att[-1] if att else []
     print(f"| {name} | {status(f'{sl}/{name}.log')} | {len(recs)} | {rate(recs, warm) if recs else float('nan'):,.0f} | {peak_mem(f'{sl}/{name}.log'):.1f} |")
