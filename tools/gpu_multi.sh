@@ -89,7 +89,7 @@ if [ -n "$DRY" ]; then
     --mamba-num-heads 8 --mamba-head-dim 16 --mamba-state-dim 16 --mamba-num-groups 4
     --mamba-impl pytorch --no-disable-mamba-mem-eff-path --num-experts 4 --moe-ffn-hidden-size 32
     --moe-shared-expert-intermediate-size 64 --moe-router-topk 2 --seq-length 64 --no-bf16
-    --num-workers 0"
+    --num-workers 0 --log-interval 1"
   # enough iterations after the first checkpoint (4) for the kill to land before the end
   TWONODE_ITERS=${TWONODE_ITERS:-40}; TWONODE_SAVE=${TWONODE_SAVE:-4}; KILL_AFTER=${KILL_AFTER:-1}
   TWONODE_MB=${TWONODE_MB:-2}; TWONODE_GBS=${TWONODE_GBS:-8}
@@ -351,12 +351,12 @@ rows, st = diff_table(a, b, 20)
 print()
 if st:
     n, worst, at, mean = st
-    print(f"A vs B, loss per iteration: {n} common iterations (A {len(a)}, B {len(b)}); max abs diff {worst:.5f} (iteration {at}), mean {mean:.5f}")
+    print(f"A vs B, loss per iteration: {n} common iterations (A {len(a)}, B {len(b)}); max abs diff {worst:.2e} (iteration {at}), mean {mean:.2e}")
     if ck:
         for lo, hi, what in ((1, ck, "before the kill (same process history)"), (ck + 1, 10**9, "after the resume")):
             d = [abs(a[i] - b[i]) for i in a if lo <= i <= hi and i in b]
             if d:
-                print(f"- {what}: {len(d)} iterations, max abs diff {max(d):.5f}, mean {sum(d) / len(d):.5f}")
+                print(f"- {what}: {len(d)} iterations, max abs diff {max(d):.2e}, mean {sum(d) / len(d):.2e}")
     print()
 print("\n".join(rows))
 PY
@@ -564,7 +564,7 @@ rows, st = diff_table(losses(f"{sd}/{names[0]}.jsonl"), losses(f"{sd}/{names[1]}
 print()
 if st:
     n, worst, at, mean = st
-    print(f"Loss per iteration, A = 1 GPU, B = 4 GPUs: {n} iterations, max abs diff {worst:.5f} (iteration {at}), mean {mean:.5f}\n")
+    print(f"Loss per iteration, A = 1 GPU, B = 4 GPUs: {n} iterations, max abs diff {worst:.2e} (iteration {at}), mean {mean:.2e}\n")
 print("\n".join(rows))
 PY
   cat "$OUT/hybrid.md"
