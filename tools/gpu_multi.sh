@@ -17,7 +17,9 @@
 #   hybrid   item 3: the Nano-width hybrid of tools/gpu_hybrid.sh (12 layers MEMEM*EMEM*E, 16
 #            experts top-6, 1.31B parameters: the largest Nano-shaped layout measured on one H100)
 #            with superlinear in the '*' slots, HYB_ITERS (50) iterations, on 1 GPU and on 4 GPUs at
-#            TP=2 + SP, EP=2 (expert TP 2), CP=2: same data, seed and global batch; per-iteration loss diff.
+#            TP=2 + SP, EP=2 (expert TP 2), CP=2: same data, seed and global batch, and the same
+#            initial weights (saved once by a 1-GPU launch, loaded by both with --finetune: the
+#            trainer draws experts differently under EP); per-iteration loss diff.
 #   longctx  item 4: the GPT 1.3B (Transformer++ shape) with asa, superlinear and standard at
 #            LONG_SEQ (131072) tokens, CP=4, full recomputation, micro-batch 1; tokens/s/GPU and
 #            peak memory per GPU.
@@ -37,6 +39,7 @@
 #   1. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh twonode          # ~8-9 min
 #   2. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh scaling          # ~7-9 min
 #   3. export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_multi.sh hybrid longctx   # ~9.5 min
+#  (4. only if 3 skipped standard: ... && LONG_RUNS=standard_cp4 bash tools/gpu_multi.sh longctx  # ~2.5 min)
 # (docs/results.md, "Issue 25: the multi-GPU runs, ready to run", has the expected minutes and why.)
 # Back here: `mkdir -p /tmp/m && tar -xzf <files_at>/<stage>-logs.tgz -C /tmp/m`.
 #
