@@ -158,6 +158,21 @@ def test_two_nodes_kill_one_and_requeue_resumes_the_same_curve(job, time_limit):
         assert b[it] == pytest.approx(a[it], rel=1e-6, abs=0), (it, a[it], b[it])
 
 
+def test_fake_srun_gives_each_node_its_gpus():
+    """The stand-in srun's FAKE_SRUN_NODE_GPUS (tools/gpu_multi.sh twonode: two "nodes" of two
+    GPUs on one host) sets each node's CUDA_VISIBLE_DEVICES; unset, it leaves the variable alone."""
+    script = 'echo "$SLURM_NODEID ${CUDA_VISIBLE_DEVICES-unset}"'
+    for gpus, want in (("0,1 2,3", ["0 0,1", "1 2,3"]), (None, ["0 unset", "1 unset"])):
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env.update(SLURM_JOB_NUM_NODES="2")
+        if gpus:
+            env["FAKE_SRUN_NODE_GPUS"] = gpus
+        out = subprocess.run(["bash", os.path.join(FAKE_SLURM, "srun"), "--ntasks-per-node=1",
+                              "bash", "-c", script], env=env, capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        assert sorted(out.split("\n")[:-1]) == want, out
+
+
 def test_exit_conditions_without_a_world():
     """--exit-duration-in-mins and --exit-signal-handler decide alone when there is no world;
     the launches above cover the all-reduce."""
