@@ -56,6 +56,8 @@ def test_tp_sp_pp_ep_equal_tp1(suite):
     assert all(b.abs().max() > 0 for b in ref["expert_bias"].values())
     for got, what in ((tp_sp, "TP=2+SP"), (pp, "PP=2"), (ep, "EP=2")):
         _assert_step_equal(got, ref, what)
+        # the trainer's parameter count sees every rank's share (EP: the other rank's experts)
+        assert got["parameters"] == ref["parameters"], what
     _assert_step_equal(tp_dense, ref_dense, "TP=2 (no MoE layers)")
     assert suite[1]["layouts"][0]["loss"] == ref["loss"]
 

@@ -224,8 +224,10 @@ def hybrid_train_step(config, batches: list, vocab: int = 256, seq: int = 32) ->
     dist.all_reduce(total)  # every last-stage rank of every DP replica (one TP rank counted ...)
     count = torch.tensor([float(len(recorded))])
     dist.all_reduce(count)  # ... as many times as its losses)
+    from ..training.trainer import count_parameters  # noqa: PLC0415
+
     return {"loss": (total / count).item(), "grads": _gather_dicts(grads),
-            "expert_bias": _gather_dicts(bias)}
+            "expert_bias": _gather_dicts(bias), "parameters": count_parameters([model])}
 
 
 def parallel_layouts_step(layouts: List[dict], num_microbatches: int = 4, micro_batch: int = 2,

@@ -250,18 +250,29 @@ def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
 
 
 def count_parameters(model: List[torch.nn.Module]) -> int:
-    """Parameters of the whole model (all TP and PP ranks; TP-replicated ones counted once)."""
+    """Parameters of the whole model (all TP, PP and EP ranks; TP-replicated ones counted once).
+
+    Expert-parallel experts (megatron marks them ``allreduce=False``) differ across EP ranks and
+    are summed over the expert group (expert TP x EP x PP); every other parameter over the model
+    parallel group (TP x PP), where EP ranks hold copies."""
     from megatron.core import parallel_state  # noqa: PLC0415
 
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    n = 0
+    ranks = (parallel_state.get_tensor_model_parallel_rank(),
+             parallel_state.get_expert_tensor_parallel_rank())
+    counts = [0, 0]  # dense, expert-parallel
     for chunk in model:
         for p in unwrap(chunk).parameters():
-            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
-                n += p.numel()
-    t = torch.tensor([n], dtype=torch.float64, device=_device())
-    dist.all_reduce(t, group=parallel_state.get_model_parallel_group())
-    return int(t.item())
+            expert = int(not getattr(p, "allreduce", True))
+            if getattr(p, "tensor_model_parallel", False) or ranks[expert] == 0:
+                counts[expert] += p.numel()
+    groups = (parallel_state.get_model_parallel_group(),
+              parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+    total = 0
+    for n, group in zip(counts, groups):
+        t = torch.tensor([n], dtype=torch.float64, device=_device())
+        dist.all_reduce(t, group=group)
+        total += int(t.item())
+    return total
 
 
 def build_optimizer(args, model):
