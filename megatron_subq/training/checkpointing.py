@@ -357,6 +357,33 @@ def _ensure_adam_state(optimizer) -> None:
                     inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
 
 
+def _adam_steps(optimizer) -> List[Optional[float]]:
+    """Per inner torch Adam (distributed optimizers; None elsewhere) the step count of its
+    parameters (one number: they step together)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: PLC0415
+
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        steps = [float(st["step"]) for st in inner.state.values() if "step" in st] \
+            if isinstance(opt, DistributedOptimizer) and isinstance(inner, torch.optim.Adam) \
+            else []
+        out.append(max(steps) if steps else None)
+    return out
+
+
+def _restore_adam_steps(optimizer, steps: List[Optional[float]]) -> None:
+    """Put the saved step counts back (the dp_reshardable load of megatron-core 0.16.1 without
+    Apex/TE restores moments and main parameters but leaves torch Adam's ``step`` at its fresh
+    0: a wrong bias correction for every later step)."""
+    for opt, step in zip(getattr(optimizer, "chained_optimizers", [optimizer]), steps):
+        if step is None:
+            continue
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(float(step))
+
+
 @contextlib.contextmanager
 def _step_tolerant_param_state_load(optimizer):
     """Work around megatron-core 0.16.1 without Apex/Transformer Engine (torch's Adam), where
@@ -440,6 +467,8 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler, consumed_
                         with_rng=args.save_rng, is_loading=False, optim_metadata=metadata)
     state.update(args=_saved_args(args), checkpoint_version=CHECKPOINT_VERSION,
                  optimizer_metadata=metadata,
+                 adam_steps=_adam_steps(optimizer) if optimizer is not None and args.save_optim
+                 else None,
                  iteration=iteration, consumed_train_samples=consumed_train_samples,
                  num_floating_point_operations_so_far=flops_so_far)
     dist_checkpointing.save(state, partial, get_default_save_sharded_strategy(args.ckpt_format),
@@ -519,8 +548,13 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
             raise RuntimeError(f"checkpoint {folder} does not match the model: missing={missing} "
                                f"unexpected={unexpected}")
     if load_optim:
-        with _step_tolerant_param_state_load(optimizer):
+        # no_grad: with fp32 parameters the distributed optimizer's main parameters are views of
+        # the model's (leaves that require grad), and its dp_reshardable load copies into them
+        with _step_tolerant_param_state_load(optimizer), torch.no_grad():
             optimizer.load_state_dict(state["optimizer"])
+        if metadata.get("distrib_optim_sharding_type") == "dp_reshardable" and \
+                common.get("adam_steps") is not None:
+            _restore_adam_steps(optimizer, common["adam_steps"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 main params from the loaded weights
