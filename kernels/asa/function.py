@@ -148,16 +148,24 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
 
 
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
-    """Whether the compiled (GPU) kernels are verified for these sizes.
+    """Whether the compiled (GPU) kernels are allowed for these sizes.
 
-    Verified by the GPU tests (tests/test_asa_kernel.py): D and Dv padded to 64, 128 or 256 and
-    m up to 256 (the feature tile padded to at least 64, see ``launch_config``), except d_h or
-    d_v of 256 together with m > 64, which no GPU test has run yet. Other sizes are refused on
-    CUDA until verified there. The interpreter (CPU) runs every size.
+    Verified by the GPU tests (tests/test_asa_kernel.py, H100, 2026-11-22): D and Dv padded to
+    64, 128 or 256 and m up to 256 (the feature tile padded to at least 64, see
+    ``launch_config``) with D, Dv <= 128 (d_h 128 with m 256), and d_h 256 with m <= 64.
+    Allowed since the D tiling (launch field ``BDT``): D and Dv padded up to 512 with m <= 128
+    (the paper's ASA 1.3B head: d_h = 512). D or Dv of 512, and 256 with m = 128, are verified
+    in the interpreter only (CPU, tests with BDT < BD; the compiled default BDT = 128 also
+    changes the d_h = 256 kernels) until the ``gpu``-marked tests at d_h in {256, 512}
+    (``test_kernel_d256_d512_gpu`` and the packed / prefill ones beside it) have run. Other
+    sizes are refused on CUDA until verified there. The interpreter (CPU) runs every size.
     """
-    wide = max(_pow2(D), _pow2(Dv)) == 256
-    return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
-            and _pow2(m) in (32, 64, 128, 256) and not (wide and _pow2(m) > 64))
+    pD, pDv, pm = _pow2(D), _pow2(Dv), _pow2(m)
+    if pD not in (64, 128, 256, 512) or pDv not in (64, 128, 256, 512):
+        return False
+    if max(pD, pDv) <= 128:
+        return pm in (32, 64, 128, 256)
+    return pm in (32, 64, 128)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -412,8 +420,8 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
             f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
-            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 256, 16 < m <= "
-            "256, m <= 64 when D or Dv > 128); use impl='reference' or impl=None")
+            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 512, 16 < m <= "
+            "256, m <= 128 when D or Dv > 128); use impl='reference' or impl=None")
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
