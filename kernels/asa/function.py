@@ -116,7 +116,16 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # the D tile: compiled, at most 128 wide, so that d_h of 256 and 512 load q/k and P in
         # [64, 128] and [128, BM <= 128] slices (the sizes d_h = 128 runs at; BT is 64 for them,
         # big_tiles) and the features cost D/128 accumulating dots; in the interpreter the whole
-        # BD (one tile, the untiled code), the tests tiling it through the override
+        # BD (one tile, the untiled code), the tests tiling it through the override.
+        # d_h = 512 (the paper's ASA 1.3B head, m = 64 by default, at most 128), compiled, all
+        # from the rules here, none measured yet: BT = 64 (big_tiles: [64, ·] fp32 accumulators,
+        # as d_h 256 ran), BDT = 128, BM = m padded (64 or 128), BV_delta = BV_bwd = 64 and
+        # BV_state = 64 (Dv = 512 in 8 blocks: more programs, nothing wider than 128 live),
+        # BV_out = 128 (4 blocks), 4 warps everywhere (the delta kernel's 8 are for 128-wide
+        # tiles only): per program the widest live tiles are then [64, 128] of q/k/v/dO, [128,
+        # 128] of P or a state block, [64, BM] of features. The gradient kernel recomputes the
+        # features of each block it meets (D/128 dots each), so its cost grows with d_h
+        # (docs/benchmarks.md: what a GPU session should still measure)
         BDT=BD if interpreting else min(BD, 128),
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
         # the per-chunk delta kernel: one program per chunk (the features computed once), 8
