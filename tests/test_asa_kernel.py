@@ -403,6 +403,8 @@ def test_d_tiles_default_and_bounds(monkeypatch):
         assert (cfg.BD, cfg.BDT) == (triton.next_power_of_2(max(d, 16)), bdt)
     cfg = launch(512, 64, 512, torch.bfloat16)  # d_h 512: 64-token chunks, tiles <= 128 wide
     assert (cfg.BT, cfg.BM, cfg.BV_out, cfg.BV_bwd, cfg.BV_delta) == (64, 64, 128, 64, 64)
+    assert (cfg.bwd_rows, cfg.out_rows, launch(256, 64, 256, torch.bfloat16).bwd_rows) == (
+        32, 64, 64)  # 32-row gradient blocks at 512 only (register spills, launch_config)
     monkeypatch.setenv(LAUNCH_ENV, '{"BDT": 1024}')
     assert launch(48, 16, 48, torch.float32).BDT == 64
     for bad in (8, 24):
@@ -571,11 +573,15 @@ def test_prefill_decode_wide_gpu(d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", ['{"BDT": 64}', '{"BDT": 256, "bwd_rows": 32}'])
-def test_d_tiles_launch_gpu(launch, monkeypatch):
-    """Other D tiles compiled at d_h 256 (A/B candidates against the default 128)."""
+@pytest.mark.parametrize("shape,launch", [("d256", '{"BDT": 64}'),
+                                          ("d256", '{"BDT": 256, "bwd_rows": 32}'),
+                                          ("d512", '{"bwd_rows": 64}'),
+                                          ("d512", '{"BDT": 64, "BV_bwd": 128}')])
+def test_d_tiles_launch_gpu(shape, launch, monkeypatch):
+    """Other D tiles / gradient rows compiled at d_h 256 and 512 (the A/B candidates against
+    the defaults: BDT 128; 64 gradient rows at 256, 32 at 512)."""
     monkeypatch.setenv(LAUNCH_ENV, launch)
-    _compare(GPU_WIDE_SHAPES["d256"], "linear", torch.bfloat16)
+    _compare(GPU_WIDE_SHAPES[shape], "linear", torch.bfloat16)
 
 
 def test_gpu_verified_sizes():

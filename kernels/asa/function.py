@@ -125,7 +125,7 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # tiles only): per program the widest live tiles are then [64, 128] of q/k/v/dO, [128,
         # 128] of P or a state block, [64, BM] of features. The gradient kernel recomputes the
         # features of each block it meets (D/128 dots each), so its cost grows with d_h
-        # (docs/benchmarks.md: what a GPU session should still measure)
+        # (docs/benchmarks.md: what a GPU session should still measure). Its rows: below
         BDT=BD if interpreting else min(BD, 128),
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
         # the per-chunk delta kernel: one program per chunk (the features computed once), 8
@@ -139,7 +139,12 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
         r_kernel=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
-        bwd_rows=32 if interpreting else 64, out_rows=32 if interpreting else 64,
+        # the gradient kernel at d_h or d_v of 512 (8 Dv blocks of 64, unrolled): 32 rows; at
+        # 64, sm_90 compiles (tools/kernel_spills.py, Triton 3.9, no GPU) spilled 12.5 KB per
+        # thread on the key side and 3.5 KB on the query side, at 32 rows 1.3 and 0.5 KB
+        # (d_h 128 at 64 rows: 3.1 and 0.4 KB); not timed yet (test_d_tiles_launch_gpu: the A/B)
+        bwd_rows=32 if interpreting or max(BD, BV_all) >= 512 else 64,
+        out_rows=32 if interpreting else 64,
     )
     cfg = env_overrides(cfg, LAUNCH_ENV)
     # rows per program, in blocks of a chunk (64-token chunks: one block)
