@@ -33,6 +33,11 @@ Packed sequences (``VARLEN``, B = 1): chunk c is row c of a host-built table (st
 seq_start, seq_stop) whose chunks never straddle a sequence boundary; tiles are masked at the
 chunk's stop, the parallel scans restart at each sequence, and "mean" counts from seq_start.
 
+Head dim (cfg ``BDT``): every kernel that computes features (q P_Q, k P_K) accumulates the logits
+over D tiles of BDT columns, dq = dℓ P_Qᵀ and dk = dℓ P_Kᵀ are written per D tile and the dP
+kernel runs one program per D tile, so d_h = 512 never puts a [BT, 512] or [512, m] tile in one
+program; BDT = BD (the interpreter's default, and compiled d_h ≤ 128) is the untiled code.
+
 Padding: D, m and Dv are padded to powers of two ≥ 16 (``tl.dot``'s minimum) with masked loads;
 padded features get logit −inf (feature value 0), padded tokens (t ≥ T) get k' = q' = 0 so they add
 nothing to any state.
@@ -51,12 +56,6 @@ def _softmax_of_logits(logits, feat_mask, row_mask):
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     f = e / tl.sum(e, axis=1)[:, None]
     return tl.where(row_mask[:, None], f, 0.0)
-
-
-@triton.jit
-def _softmax_features(x, p, feat_mask, row_mask, PREC: tl.constexpr):
-    """softmax over features of x @ p, fp32 ``[BT, BM]``; masked rows are 0."""
-    return _softmax_of_logits(tl.dot(x, p, input_precision=PREC), feat_mask, row_mask)
 
 
 @triton.jit
