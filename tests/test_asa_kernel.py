@@ -15,8 +15,10 @@ held to the same bound (inputs and dO are O(1)). Bounds:
 * bf16: 2e-2 (bf16 operands, 8-bit mantissa; seen ≤ 4e-3 in the interpreter, whose bf16 dots
   go through fp32, and ≤ 3.9e-3 on the H100's bf16 tensor cores at T = 1000 and 4096).
 
-GPU sizes: the compiled kernels are verified (and used) for 32 < D, Dv ≤ 128 and 16 < m ≤ 128
-(``kernels/asa/function.py: kernel_supports``); the GPU test of other sizes checks the refusal.
+GPU sizes: the compiled kernels are allowed for 32 < D, Dv ≤ 512 and 16 < m ≤ 128 (m ≤ 256 for
+D, Dv ≤ 128; ``kernels/asa/function.py: kernel_supports``), d_h 512 verified in the interpreter
+only until the ``gpu`` tests at d_h 256/512 below run; the GPU test of other sizes checks the
+refusal.
 """
 
 
@@ -105,9 +107,9 @@ def test_kernel_half_dtypes(dtype):
     _compare((1, 65, 2, 1, 16, 16, 16), "linear", dtype)
 
 
-def _check_prefill_decode(normalize):
+def _check_prefill_decode(normalize, sizes=None):
     """Prefill 30 tokens, prefill 37 more from that state, decode 3: equal to one full pass."""
-    D, m = (128, 64) if DEVICE == "cuda" else (16, 8)  # GPU: the verified sizes
+    D, m = sizes or ((128, 64) if DEVICE == "cuda" else (16, 8))  # GPU: the verified sizes
     q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 70, 2, 1, D, m, D, torch.float32))
     full = asa_attention_quadratic(q, k, v, p_q, p_k, normalize)
     o1, st = ops.asa_prefill(q[:, :30], k[:, :30], v[:, :30], p_q, p_k, normalize, impl="kernel")
@@ -348,6 +350,79 @@ def test_launch_option_alone(option, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------
+# the D tiling (cfg BDT): the head dim d_h in tiles of BDT columns in every kernel that computes
+# features (q P_Q, k P_K), dq / dk (dℓ Pᵀ per tile) and dP (one program per tile). D = 48 pads
+# to BD = 64: four tiles of 16, the last one half masked. 32-token chunks in 16-row blocks keep
+# the interpreter quick while T = 40 / 70 still straddles chunks and row blocks.
+# ------------------------------------------------------------------------------------------
+D_TILED = '{"BDT": 16, "BT": 32, "bwd_rows": 16, "out_rows": 16}'
+
+
+def _record_d_tiles(monkeypatch):
+    """The (BD, BDT) of every feature-computing launch and the dP grids' D-tile counts."""
+    names = ("asa_fwd_out_kernel", "asa_chunk_delta_kernel", "asa_bwd_block_kernel")
+    launches = [record_launches(monkeypatch, KERNEL.function, n) for n in names]
+    dp = record_launches(monkeypatch, KERNEL.function, "asa_bwd_dp_kernel")
+    return lambda: ({(kw["BD"], kw["BDT"]) for calls in launches for kw in calls},
+                    {kw["BDT"] for kw in dp})
+
+
+@pytest.mark.parametrize("normalize", ["linear", "mean"])
+def test_d_tiles_match_reference_fp32(normalize, monkeypatch):
+    """Forward and every gradient (q, k, v, P_Q, P_K) with d_h in 4 tiles, ragged T, GQA."""
+    monkeypatch.setenv(LAUNCH_ENV, D_TILED)
+    tiles = _record_d_tiles(monkeypatch)
+    _compare((1, 40, 2, 1, 48, 12, 20), normalize, torch.float32)
+    assert tiles() == ({(64, 16)}, {16})
+
+
+def test_d_tiles_half_dtype(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, D_TILED)
+    _compare((1, 40, 2, 1, 48, 16, 16), "linear", torch.float16)
+
+
+def test_d_tiles_packed_sequences(monkeypatch):
+    monkeypatch.setenv(LAUNCH_ENV, D_TILED)
+    _compare_packed("mean", torch.float32, bounds=[0, 1, 37, 37, 45], sizes=(2, 1, 48, 12, 20))
+
+
+def test_d_tiles_prefill_and_decode(monkeypatch):
+    """Prefill, prefill from that state, decode: initial and final states with D tiled."""
+    monkeypatch.setenv(LAUNCH_ENV, D_TILED)
+    _check_prefill_decode("linear", sizes=(48, 12))
+
+
+def test_d_tiles_default_and_bounds(monkeypatch):
+    """BDT defaults to BD in the interpreter (the untiled kernels), min(BD, 128) compiled; an
+    override wider than BD is clamped to it, one that is not a power of two ≥ 16 refused."""
+    launch = KERNEL.function.launch_config
+    assert launch(512, 64, 512, torch.bfloat16).BDT == 512  # the interpreter here
+    monkeypatch.setattr(KERNEL.function, "triton_interpreting", lambda: False)
+    for d, bdt in ((64, 64), (128, 128), (256, 128), (512, 128), (48, 64)):
+        cfg = launch(d, 64, d, torch.bfloat16)
+        assert (cfg.BD, cfg.BDT) == (triton.next_power_of_2(max(d, 16)), bdt)
+    cfg = launch(512, 64, 512, torch.bfloat16)  # d_h 512: 64-token chunks, tiles <= 128 wide
+    assert (cfg.BT, cfg.BM, cfg.BV_out, cfg.BV_bwd, cfg.BV_delta) == (64, 64, 128, 64, 64)
+    assert (cfg.bwd_rows, cfg.out_rows, launch(256, 64, 256, torch.bfloat16).bwd_rows) == (
+        32, 64, 64)  # 32-row gradient blocks at 512 only (register spills, launch_config)
+    monkeypatch.setenv(LAUNCH_ENV, '{"BDT": 1024}')
+    assert launch(48, 16, 48, torch.float32).BDT == 64
+    for bad in (8, 24):
+        monkeypatch.setenv(LAUNCH_ENV, json.dumps({"BDT": bad}))
+        with pytest.raises(ValueError, match=f"BDT={bad}.*power of two"):
+            launch(48, 16, 48, torch.float32)
+
+
+def test_d512_tiny(monkeypatch):  # ~5 s in the interpreter (2 CPU cores, unloaded)
+    """The paper's 1.3B head (d_h = 512, m = 64) at a few tokens, in 128-wide D tiles (the
+    compiled default): forward and every gradient against the reference."""
+    monkeypatch.setenv(LAUNCH_ENV, '{"BDT": 128, "BT": 16, "bwd_rows": 16, "out_rows": 16}')
+    tiles = _record_d_tiles(monkeypatch)
+    _compare((1, 19, 2, 1, 512, 64, 512), "linear", torch.float32)
+    assert tiles() == ({(512, 128)}, {128})
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: large shapes, the real half-precision tensor-core paths
 # ------------------------------------------------------------------------------------------
 GPU_SHAPES = {
@@ -373,7 +448,7 @@ def test_kernel_matches_reference_gpu(shape, normalize, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D,m,Dv", [(256, 128, 256), (512, 32, 64), (32, 16, 32)])
+@pytest.mark.parametrize("D,m,Dv", [(512, 256, 512), (1024, 64, 1024), (32, 16, 32)])
 def test_unverified_sizes_are_refused_on_gpu(D, m, Dv):
     """Outside the verified sizes impl='kernel' refuses and impl=None runs the reference."""
     q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 70, 2, 1, D, m, Dv, torch.bfloat16))
@@ -449,17 +524,80 @@ def test_prefill_decode_gpu_bf16():
     assert rel_rms(got, full) < BOUNDS[torch.bfloat16]
 
 
+# d_h 256 and 512 (the D tiling, compiled BDT = 128; the paper's ASA 1.3B head is 4 x 512, m 64
+# by default): what kernel_supports allows since the tiling, to be verified here. Ragged T, GQA.
+GPU_WIDE_SHAPES = {
+    "d256": (2, 777, 4, 2, 256, 128, 256),
+    "d512": (1, 1000, 4, 2, 512, 64, 512),
+    "d512-m128": (1, 700, 4, 4, 512, 128, 512),
+    "d512-dv128": (1, 513, 4, 2, 512, 64, 128),
+}
+GPU_WIDE_CASES = (
+    [(d, "linear", dt) for d in ("d256", "d512") for dt in ("fp32", "fp16", "bf16")]
+    + [("d512", n, "bf16") for n in ("none", "mean")]
+    + [("d512-m128", "linear", "bf16"), ("d512-dv128", "mean", "fp16")]
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,normalize,dtype", GPU_WIDE_CASES,
+                         ids=["-".join(c) for c in GPU_WIDE_CASES])
+def test_kernel_d256_d512_gpu(shape, normalize, dtype):
+    """Forward and every gradient at d_h 256 / 512 against the fp32 reference."""
+    errors = _compare(GPU_WIDE_SHAPES[shape], normalize, DTYPES[dtype])
+    print(f"{shape} {normalize} {dtype}: " + " ".join(f"{k}={v:.1e}" for k, v in errors.items()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [256, 512])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernel_packed_sequences_wide_gpu(d, dtype):
+    """Packed sequences at d_h 256 / 512: ragged lengths around and across chunks."""
+    _compare_packed("linear", DTYPES[dtype], bounds=[0, 1, 700, 1000, 1001, 1064, 1500],
+                    sizes=(4, 2, d, 64, d))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [256, 512])
+def test_prefill_decode_wide_gpu(d):
+    """Prefill, prefill from that state, decode at d_h 256 / 512: fp32 equal to one full pass;
+    bf16 prefill + decode steps within the bf16 bound of the kernel's full pass."""
+    _check_prefill_decode("linear", sizes=(d, 64))
+    q, k, v, p_q, p_k = (a.detach() for a in _inputs(1, 300, 4, 2, d, 64, d, torch.bfloat16))
+    full = ops.asa_attention(q, k, v, p_q, p_k, impl="kernel")
+    o1, st = ops.asa_prefill(q[:, :200], k[:, :200], v[:, :200], p_q, p_k, impl="kernel")
+    steps = [ops.asa_decode_step(q[:, t], k[:, t], v[:, t], p_q, p_k, st) for t in range(200, 300)]
+    got = torch.cat([o1, torch.stack(steps, dim=1)], dim=1)
+    assert rel_rms(got, full) < BOUNDS[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,launch", [("d256", '{"BDT": 64}'),
+                                          ("d256", '{"BDT": 256, "bwd_rows": 32}'),
+                                          ("d512", '{"bwd_rows": 64}'),
+                                          ("d512", '{"BDT": 64, "BV_bwd": 128}')])
+def test_d_tiles_launch_gpu(shape, launch, monkeypatch):
+    """Other D tiles / gradient rows compiled at d_h 256 and 512 (the A/B candidates against
+    the defaults: BDT 128; 64 gradient rows at 256, 32 at 512)."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    _compare(GPU_WIDE_SHAPES[shape], "linear", torch.bfloat16)
+
+
 def test_gpu_verified_sizes():
     """kernel_supports says what the GPU tests verified (the candidates below, 2026-11-22)."""
     ok = KERNEL.kernel_supports
     assert ok(128, 64, 128) and ok(64, 32, 64) and ok(100, 50, 100)
     assert ok(256, 64, 256) and ok(256, 32, 256) and ok(128, 256, 128)
-    assert not ok(256, 128, 256) and not ok(512, 64, 512) and not ok(32, 16, 32)
+    # the D tiling (cfg BDT): up to 512 with m <= 128 (GPU tests pending, see kernel_supports)
+    assert ok(256, 128, 256) and ok(512, 64, 512) and ok(512, 128, 512) and ok(512, 64, 128)
+    assert not ok(512, 256, 512) and not ok(256, 256, 256) and not ok(1024, 64, 1024)
+    assert not ok(32, 16, 32)
 
 
 # sizes at the edge of the verified ones, each in its own process with kernel_supports lifted,
 # so an illegal memory access cannot poison the other tests: d256-m64, d256-m32 and d128-m256
-# passed on an H100 (2026-11-22) and are allowed since; d256-m128 is the next candidate
+# passed on an H100 (2026-11-22) and are allowed since; d256-m128 is allowed since the D tiling
+# (2026-11-26; test_kernel_d256_d512_gpu covers it as well)
 GPU_CANDIDATES = {
     "d256-m64": ((1, 700, 4, 2, 256, 64, 256), "linear", "bf16"),
     "d256-m32": ((1, 700, 4, 2, 256, 32, 256), "mean", "fp16"),

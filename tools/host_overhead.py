@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     o_args = (q, k, v, p_q, p_k, states, zs, den, out, den, den, T, H, 1, D, m, D, NT,
               q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
               v.stride(0), v.stride(1), v.stride(2))
-    o_const = dict(BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out,
+    o_const = dict(BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_out,
                    NORM=0,
                    PREC=cfg.PREC, VARLEN=False)
     launch = dict(num_warps=cfg.out_warps, num_stages=cfg.stages)

@@ -7,6 +7,7 @@ local Triton may differ from the device's (3.9 here, 3.6 there): read the number
 
     python tools/kernel_spills.py                 # BT 128/64, 64/32 rows, BV 128/64, 4/8 warps
     python tools/kernel_spills.py --bt 128 --rows 64 --bv 128 --warps 4   # the GPU default
+    python tools/kernel_spills.py --bt 64 --rows 64 --bv 64 --warps 4 --dh 512 --m 128  # d_h 512
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def _ptxas_report(kernel, consts: dict, dtype: str, warps: int) -> str:
             f"{compiled.metadata.shared} B shared")
 
 
-def block_spills(side: int, bt: int, rows: int, bv: int, warps: int, dtype: str) -> str:
-    """``asa_bwd_block_kernel`` (cfg bwd_rows = rows; m = 64, d_h = d_v = 128)."""
-    consts = dict(BT=bt, RB=rows, BD=128, BM=64, BV=bv, NV=-(-128 // bv), NORM=0, PREC="tf32",
-                  SIDE=side, VARLEN=False)
+def block_spills(side: int, bt: int, rows: int, bv: int, warps: int, dtype: str,
+                 d: int = 128, bdt: int = 128, m: int = 64) -> str:
+    """``asa_bwd_block_kernel`` (cfg bwd_rows = rows; d_h = d_v = d in D tiles of bdt, m)."""
+    consts = dict(BT=bt, RB=rows, BD=d, BDT=min(bdt, d), BM=m, BV=bv, NV=-(-d // bv), NORM=0,
+                  PREC="tf32", SIDE=side, VARLEN=False)
     return _ptxas_report(chunk.asa_bwd_block_kernel, consts, dtype, warps)
 
 
@@ -82,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--bv", default="128,64", help="comma list of Dv blocks (BV_bwd)")
     p.add_argument("--warps", default="4,8", help="comma list of warps per program")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--dh", type=int, default=128, help="d_h = d_v (a power of two)")
+    p.add_argument("--bdt", type=int, default=128, help="the D tile (cfg BDT)")
+    p.add_argument("--m", type=int, default=64, help="the feature tile (cfg BM)")
     args = p.parse_args(argv)
     for bt in map(int, args.bt.split(",")):
         for rows in (r for r in map(int, args.rows.split(",")) if r <= bt):
@@ -89,9 +94,10 @@ def main(argv=None) -> int:
                 for warps in map(int, args.warps.split(",")):
                     for side in (0, 1):
                         name = "query" if side == 0 else "key"
+                        report = block_spills(side, bt, rows, bv, warps, args.dtype, args.dh,
+                                              args.bdt, args.m)
                         print(f"BT {bt:3d} rows {rows:3d} BV {bv:3d} warps {warps:2d} "
-                              f"{name:5s} side: "
-                              f"{block_spills(side, bt, rows, bv, warps, args.dtype)}",
+                              f"{name:5s} side: {report}",
                               flush=True)
     return 0
 

@@ -33,6 +33,11 @@ Packed sequences (``VARLEN``, B = 1): chunk c is row c of a host-built table (st
 seq_start, seq_stop) whose chunks never straddle a sequence boundary; tiles are masked at the
 chunk's stop, the parallel scans restart at each sequence, and "mean" counts from seq_start.
 
+Head dim (cfg ``BDT``): every kernel that computes features (q P_Q, k P_K) accumulates the logits
+over D tiles of BDT columns, dq = dℓ P_Qᵀ and dk = dℓ P_Kᵀ are written per D tile and the dP
+kernel runs one program per D tile, so d_h = 512 never puts a [BT, 512] or [512, m] tile in one
+program; BDT = BD (the interpreter's default, and compiled d_h ≤ 128) is the untiled code.
+
 Padding: D, m and Dv are padded to powers of two ≥ 16 (``tl.dot``'s minimum) with masked loads;
 padded features get logit −inf (feature value 0), padded tokens (t ≥ T) get k' = q' = 0 so they add
 nothing to any state.
@@ -45,9 +50,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _softmax_features(x, p, feat_mask, row_mask, PREC: tl.constexpr):
-    """softmax over features of x @ p, fp32 ``[BT, BM]``; masked rows are 0."""
-    logits = tl.dot(x, p, input_precision=PREC)
+def _softmax_of_logits(logits, feat_mask, row_mask):
+    """softmax over features of fp32 logits ``[BT, BM]``; padded features 0, masked rows 0."""
     logits = tl.where(feat_mask[None, :], logits, float("-inf"))
     e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     f = e / tl.sum(e, axis=1)[:, None]
@@ -63,12 +67,53 @@ def _load_rows(ptr, t0, T, stride_t, cols, n_cols, BT: tl.constexpr):
 
 
 @triton.jit
+def _load_p_rows(p_ptr, h, d_rows, D, M, BM: tl.constexpr):
+    """Rows ``d_rows`` of the head's P ``[len(d_rows), BM]`` (contiguous [H, D, m]), zero-padded."""
+    m = tl.arange(0, BM)
+    mask = (d_rows[:, None] < D) & (m[None, :] < M)
+    return tl.load(p_ptr + h * D * M + d_rows[:, None] * M + m[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _load_p(p_ptr, h, D, M, BD: tl.constexpr, BM: tl.constexpr):
     """The head's P ``[BD, BM]`` (contiguous [H, D, m] parameter), zero-padded."""
-    d = tl.arange(0, BD)
-    m = tl.arange(0, BM)
-    mask = (d[:, None] < D) & (m[None, :] < M)
-    return tl.load(p_ptr + h * D * M + d[:, None] * M + m[None, :], mask=mask, other=0.0)
+    return _load_p_rows(p_ptr, h, tl.arange(0, BD), D, M, BM)
+
+
+@triton.jit
+def _p_whole(p_ptr, h, D, M, dt, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr):
+    """The head's whole P ``[BD, BM]`` in ``dt`` when D is one tile (BDT = BD: loaded once per
+    program and kept, as before the D tiling); else a placeholder (0), the tiles of P being
+    loaded where they are used (``_features``, ``_feature_grad_store``)."""
+    if BDT == BD:
+        p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
+    else:
+        p = 0.0
+    return p
+
+
+@triton.jit
+def _features(x_base, t0, t_stop, x_stride, p, p_ptr, h, D, M, feat_mask, row_mask, dt,
+              BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
+              PREC: tl.constexpr):
+    """The softmax features of rows t0..t0+BT of x (q or k, ``[T, D]`` with row stride
+    ``x_stride``), fp32 ``[BT, BM]``: the logits x P accumulate over D tiles of BDT columns (a
+    ``[BT, BDT]`` slice of x and ``[BDT, BM]`` of P live at a time, so that d_h = 512 fits a
+    program's registers); with BDT = BD, one tile and ``p`` the whole P (``_p_whole``), the same
+    operations as before the tiling. The D tiles are a runtime loop, not ``tl.static_range``:
+    unrolled, the compiler kept every tile's loads live (sm_90 compile, d_h 512, BDT 128: 5.4 KB
+    of spills per thread in the state scan, 4.8 KB in the output kernel; looped 0.9 and 1.0)."""
+    if BDT == BD:
+        x = _load_rows(x_base, t0, t_stop, x_stride, tl.arange(0, BD), D, BT).to(dt)
+        logits = tl.dot(x, p, input_precision=PREC)
+    else:
+        logits = tl.zeros([BT, BM], dtype=tl.float32)
+        for d0 in range(0, BD, BDT):
+            d_cols = d0 + tl.arange(0, BDT)
+            x = _load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt)
+            p_t = _load_p_rows(p_ptr, h, d_cols, D, M, BM).to(dt)
+            logits += tl.dot(x, p_t, input_precision=PREC)
+    return _softmax_of_logits(logits, feat_mask, row_mask)
 
 
 @triton.jit
@@ -98,7 +143,7 @@ def asa_fwd_states_kernel(
     k_ptr, v_ptr, pk_ptr, s0_ptr, z0_ptr, states_ptr, zs_ptr, st_ptr, zt_ptr,
     T, H, G, D, M, DV, NT,
     skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (cdiv(Dv, BV), B*H): S_c, z_c before every chunk c (and the final state)."""
@@ -106,11 +151,10 @@ def asa_fwd_states_kernel(
     b, h = pid_bh // H, pid_bh % H
     hk = h // G
     dt = k_ptr.dtype.element_ty
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    p = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    p = _p_whole(pk_ptr, h, D, M, dt, BD, BDT, BM)
     sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
     # states: [B, H, NT, M, DV]; zs: [B, H, NT, M]
     s_off = m_idx[:, None] * DV + v_cols[None, :]
@@ -128,9 +172,9 @@ def asa_fwd_states_kernel(
             tl.store(zs_ptr + out * M + m_idx, z, mask=feat_mask)
         t0 = c * BT
         row_mask = (t0 + tl.arange(0, BT)) < T
-        kc = _load_rows(k_base, t0, T, skt, d_cols, D, BT).to(dt)
         vc = _load_rows(v_base, t0, T, svt, v_cols, DV, BT).to(dt)
-        kf = _softmax_features(kc, p, feat_mask, row_mask, PREC)
+        kf = _features(k_base, t0, T, skt, p, pk_ptr, h, D, M, feat_mask, row_mask, dt, BT, BD,
+                       BDT, BM, PREC)
         S += tl.dot(tl.trans(kf.to(dt)), vc, input_precision=PREC)
         z += tl.sum(kf, axis=0)
     if STORE_FINAL:
@@ -140,16 +184,17 @@ def asa_fwd_states_kernel(
 
 
 @triton.jit
-def _out_tile(num, den, qf, p_k, k_base, v_base, k0, t_stop, skt, svt, v_cols, d_cols, D, DV,
-              feat_mask, below, RB: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
+def _out_tile(num, den, qf, p_k, pk_ptr, h, k_base, v_base, k0, t_stop, skt, svt, v_cols, D, M,
+              DV, feat_mask, below, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr,
+              BM: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr):
     """One RB × RB tile of the output kernel: a block of queries against the keys k0..k0+RB of
     their chunk, all of them when the tile is ``below`` the diagonal, else causal (the query
     block's own keys). Returns (num, den) with the tile's terms added."""
     dt = qf.dtype
     key_mask = (k0 + tl.arange(0, RB)) < t_stop
-    kc = _load_rows(k_base, k0, t_stop, skt, d_cols, D, RB).to(dt)
     vc = _load_rows(v_base, k0, t_stop, svt, v_cols, DV, RB).to(dt)
-    kf = _softmax_features(kc, p_k, feat_mask, key_mask, PREC).to(dt)
+    kf = _features(k_base, k0, t_stop, skt, p_k, pk_ptr, h, D, M, feat_mask, key_mask, dt, RB,
+                   BD, BDT, BM, PREC).to(dt)
     causal = tl.arange(0, RB)[:, None] >= tl.arange(0, RB)[None, :]
     A = tl.where(causal | below, tl.dot(qf, tl.trans(kf), input_precision=PREC), 0.0)
     num += tl.dot(A.to(dt), vc, input_precision=PREC)
@@ -163,8 +208,8 @@ def asa_fwd_out_kernel(
     q_ptr, k_ptr, v_ptr, pq_ptr, pk_ptr, states_ptr, zs_ptr, seen_ptr, o_ptr, den_ptr,
     chunks_ptr, T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
+    BV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (NT · BT/RB, cdiv(Dv, BV), B*H): the output of one block of RB rows of a chunk
     (RB = BT: the whole chunk; cfg out_rows), meeting the chunk's keys up to its own block in
@@ -181,13 +226,12 @@ def asa_fwd_out_kernel(
     r0 = t0 + own * RB
     rows = r0 + tl.arange(0, RB)
     row_mask = rows < t_stop
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    qc = _load_rows(q_ptr + b * sqb + h * sqh, r0, t_stop, sqt, d_cols, D, RB).to(dt)
-    qf32 = _softmax_features(qc, _load_p(pq_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                             PREC)
+    qf32 = _features(q_ptr + b * sqb + h * sqh, r0, t_stop, sqt,
+                     _p_whole(pq_ptr, h, D, M, dt, BD, BDT, BM), pq_ptr, h, D, M, feat_mask,
+                     row_mask, dt, RB, BD, BDT, BM, PREC)
     qf = qf32.to(dt)
     st = pid_bh * NT + c
     sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
@@ -199,18 +243,19 @@ def asa_fwd_out_kernel(
         den = tl.sum(qf32 * z[None, :], axis=1)
     else:
         den = tl.zeros([RB], dtype=tl.float32)  # unused
-    p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+    p_k = _p_whole(pk_ptr, h, D, M, dt, BD, BDT, BM)
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
     # a whole-chunk program (NB = 1) as straight-line code, blocks as a runtime loop: the fastest
     # form of each (docs/benchmarks.md)
     if NB == 1:
-        num, den = _out_tile(num, den, qf, p_k, k_base, v_base, t0, t_stop, skt, svt, v_cols,
-                             d_cols, D, DV, feat_mask, False, RB, NORM, PREC)
+        num, den = _out_tile(num, den, qf, p_k, pk_ptr, h, k_base, v_base, t0, t_stop, skt, svt,
+                             v_cols, D, M, DV, feat_mask, False, RB, BD, BDT, BM, NORM, PREC)
     else:
         for kb in range(0, own + 1):
-            num, den = _out_tile(num, den, qf, p_k, k_base, v_base, t0 + kb * RB, t_stop, skt,
-                                 svt, v_cols, d_cols, D, DV, feat_mask, kb < own, RB, NORM, PREC)
+            num, den = _out_tile(num, den, qf, p_k, pk_ptr, h, k_base, v_base, t0 + kb * RB,
+                                 t_stop, skt, svt, v_cols, D, M, DV, feat_mask, kb < own, RB, BD,
+                                 BDT, BM, NORM, PREC)
     if NORM == 0:
         # > 0 by construction; the clamp only turns an fp32 underflow 0/0 into 0
         den = tl.maximum(den, 1.1754943508222875e-38)
@@ -235,7 +280,7 @@ def asa_chunk_delta_kernel(
     x_ptr, p_ptr, y_ptr, den_ptr, r_ptr, delta_ptr, dz_ptr, chunks_ptr,
     T, H, G, D, M, DV, NT,
     sxb, sxt, sxh, syb, syt, syh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     BACKWARD: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """grid (NT, cdiv(Dv, BV), B*H): one chunk's contribution to the state, all chunks at once.
@@ -250,12 +295,12 @@ def asa_chunk_delta_kernel(
     t0, t_stop, _seq_start = _chunk_span(chunks_ptr, c, T, BT, VARLEN)
     rows = t0 + tl.arange(0, BT)
     row_mask = rows < t_stop
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    xc = _load_rows(x_ptr + b * sxb + hx * sxh, t0, t_stop, sxt, d_cols, D, BT).to(dt)
-    f = _softmax_features(xc, _load_p(p_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask, PREC)
+    f = _features(x_ptr + b * sxb + hx * sxh, t0, t_stop, sxt,
+                  _p_whole(p_ptr, h, D, M, dt, BD, BDT, BM), p_ptr, h, D, M, feat_mask, row_mask,
+                  dt, BT, BD, BDT, BM, PREC)
     if BACKWARD:
         y = _load_rows(y_ptr + b * syb + h * syh, t0, t_stop, syt, v_cols, DV,
                        BT).to(tl.float32)
@@ -287,7 +332,7 @@ def asa_bwd_states_kernel(
     q_ptr, pq_ptr, do_ptr, den_ptr, r_ptr, dstates_ptr, dzs_ptr,
     T, H, D, M, DV, NT,
     sqb, sqt, sqh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     NORM: tl.constexpr, PREC: tl.constexpr,
 ):
     """grid (cdiv(Dv, BV), B*H): dS_c = Σ_{chunks > c} q'ᵀ g and dz_c = Σ_{chunks > c} q'ᵀ r.
@@ -295,11 +340,10 @@ def asa_bwd_states_kernel(
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     dt = q_ptr.dtype.element_ty
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
     v_cols = pid_v * BV + tl.arange(0, BV)
     feat_mask = m_idx < M
-    p = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
+    p = _p_whole(pq_ptr, h, D, M, dt, BD, BDT, BM)
     sv_mask = feat_mask[:, None] & (v_cols[None, :] < DV)
     s_off = m_idx[:, None] * DV + v_cols[None, :]
     dS = tl.zeros([BM, BV], dtype=tl.float32)
@@ -315,8 +359,8 @@ def asa_bwd_states_kernel(
         t0 = c * BT
         rows = t0 + tl.arange(0, BT)
         row_mask = rows < T
-        qc = _load_rows(q_base, t0, T, sqt, d_cols, D, BT).to(dt)
-        qf = _softmax_features(qc, p, feat_mask, row_mask, PREC)
+        qf = _features(q_base, t0, T, sqt, p, pq_ptr, h, D, M, feat_mask, row_mask, dt, BT, BD,
+                       BDT, BM, PREC)
         o_rows = (b * T + rows) * H + h
         g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :],
                     mask=row_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(tl.float32)
@@ -350,22 +394,32 @@ def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
 @triton.jit
 def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
                         D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
-                        BM: tl.constexpr, PREC: tl.constexpr):
+                        BDT: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """The softmax backward of one side and its stores: dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32
     features (recomputed here rather than kept live through the gradient loops), then
-    dx = dℓ Pᵀ."""
+    dx = dℓ Pᵀ, computed and stored per D tile of BDT columns (one tile when BDT = BD)."""
     dt = x_base.dtype.element_ty
-    d_cols = tl.arange(0, BD)
     m_idx = tl.arange(0, BM)
-    p = _load_p(p_ptr, h, D, M, BD, BM).to(dt)
-    f32 = _softmax_features(_load_rows(x_base, t0, t_stop, x_stride, d_cols, D, BT).to(dt), p,
-                            feat_mask, row_mask, PREC)
+    p = _p_whole(p_ptr, h, D, M, dt, BD, BDT, BM)
+    f32 = _features(x_base, t0, t_stop, x_stride, p, p_ptr, h, D, M, feat_mask, row_mask, dt, BT,
+                    BD, BDT, BM, PREC)
     dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
     tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
              mask=row_mask[:, None] & feat_mask[None, :])
-    dx = tl.dot(dl.to(dt), tl.trans(p), input_precision=PREC)
-    tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
-             dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
+    dl = dl.to(dt)
+    if BDT == BD:
+        d_cols = tl.arange(0, BD)
+        dx = tl.dot(dl, tl.trans(p), input_precision=PREC)
+        tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & (d_cols[None, :] < D))
+    else:
+        for d0 in range(0, BD, BDT):
+            d_cols = d0 + tl.arange(0, BDT)
+            p_t = _load_p_rows(p_ptr, h, d_cols, D, M, BM).to(dt)
+            dx = tl.dot(dl, tl.trans(p_t), input_precision=PREC)
+            tl.store(dx_ptr + o_rows[:, None] * D + d_cols[None, :],
+                     dx.to(dx_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (d_cols[None, :] < D))
 
 
 @triton.jit
@@ -386,8 +440,8 @@ def asa_bwd_block_kernel(
     dx_ptr, dv_ptr, dl_ptr, chunks_ptr,
     T, H, G, D, M, DV, NT,
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
-    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
+    BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
+    BV: tl.constexpr, NV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
     """grid (NT · BT/RB, B*H): the gradients of one block of RB rows of a chunk (cfg bwd_rows),
@@ -421,7 +475,6 @@ def asa_bwd_block_kernel(
     row_mask = rows < t_stop
     m_idx = tl.arange(0, BM)
     feat_mask = m_idx < M
-    d_cols = tl.arange(0, BD)
     q_base = q_ptr + b * sqb + h * sqh
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
@@ -448,7 +501,7 @@ def asa_bwd_block_kernel(
                         mask=feat_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(dt)
             g = _scaled_grad(do_ptr, o_rows, row_mask, den, v_cols, DV, q_ptr, NORM)
             dfeat += tl.dot(g, tl.trans(S), input_precision=PREC)
-        p_k = _load_p(pk_ptr, h, D, M, BD, BM).to(dt)
+        p_k = _p_whole(pk_ptr, h, D, M, dt, BD, BDT, BM)
         for kb in range(0, own + 1):
             k0 = t0 + kb * RB
             key_mask = (k0 + tl.arange(0, RB)) < t_stop
@@ -462,15 +515,14 @@ def asa_bwd_block_kernel(
                 vc = _load_rows(v_base, k0, t_stop, svt, v_cols, DV, RB).to(dt)
                 dA += tl.dot(g, tl.trans(vc), input_precision=PREC)
             dA = tl.where(diag | (kb < own), dA, 0.0).to(dt)
-            kf = _softmax_features(_load_rows(k_base, k0, t_stop, skt, d_cols, D, RB).to(dt),
-                                   p_k, feat_mask, key_mask, PREC).to(dt)
+            kf = _features(k_base, k0, t_stop, skt, p_k, pk_ptr, h, D, M, feat_mask, key_mask, dt,
+                           RB, BD, BDT, BM, PREC).to(dt)
             dfeat += tl.dot(dA, kf, input_precision=PREC)
         x_base, x_stride, p_ptr = q_base, sqt, pq_ptr
     else:
-        p_q = _load_p(pq_ptr, h, D, M, BD, BM).to(dt)
-        kf = _softmax_features(_load_rows(k_base, r0, t_stop, skt, d_cols, D, RB).to(dt),
-                               _load_p(pk_ptr, h, D, M, BD, BM).to(dt), feat_mask, row_mask,
-                               PREC).to(dt)
+        p_q = _p_whole(pq_ptr, h, D, M, dt, BD, BDT, BM)
+        kf = _features(k_base, r0, t_stop, skt, _p_whole(pk_ptr, h, D, M, dt, BD, BDT, BM), pk_ptr,
+                       h, D, M, feat_mask, row_mask, dt, RB, BD, BDT, BM, PREC).to(dt)
         dfeat = tl.zeros([RB, BM], dtype=tl.float32)
         if NORM == 0:
             dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
@@ -487,9 +539,8 @@ def asa_bwd_block_kernel(
                 for qb in range(own, NB):
                     i0 = t0 + qb * RB
                     q_mask = (i0 + tl.arange(0, RB)) < t_stop
-                    qf = _softmax_features(_load_rows(q_base, i0, t_stop, sqt, d_cols, D,
-                                                      RB).to(dt), p_q, feat_mask, q_mask,
-                                           PREC).to(dt)
+                    qf = _features(q_base, i0, t_stop, sqt, p_q, pq_ptr, h, D, M, feat_mask,
+                                   q_mask, dt, RB, BD, BDT, BM, PREC).to(dt)
                     A_t = tl.where(diag | (qb > own),
                                    tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0).to(dt)
                     den_q = ones
@@ -508,8 +559,8 @@ def asa_bwd_block_kernel(
             i0 = t0 + qb * RB
             q_rows = i0 + tl.arange(0, RB)
             q_mask = q_rows < t_stop
-            qf = _softmax_features(_load_rows(q_base, i0, t_stop, sqt, d_cols, D, RB).to(dt),
-                                   p_q, feat_mask, q_mask, PREC).to(dt)
+            qf = _features(q_base, i0, t_stop, sqt, p_q, pq_ptr, h, D, M, feat_mask, q_mask, dt,
+                           RB, BD, BDT, BM, PREC).to(dt)
             den_q = ones
             if NORM != 1:
                 den_q = tl.load(den_ptr + pid_bh * T + q_rows, mask=q_mask, other=1.0)
@@ -536,7 +587,7 @@ def asa_bwd_block_kernel(
                      mask=row_mask[:, None] & (v_cols[None, :] < DV))
         x_base, x_stride, p_ptr = k_base, skt, pk_ptr
     _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, r0, t_stop, o_rows, dl_ptr, dx_ptr,
-                        D, M, feat_mask, row_mask, RB, BD, BM, PREC)
+                        D, M, feat_mask, row_mask, RB, BD, BDT, BM, PREC)
 
 
 @triton.jit
@@ -544,18 +595,20 @@ def asa_bwd_dp_kernel(
     x_ptr, dl_ptr, dp_part_ptr,
     T, H, G, D, M, NT, CPG,
     sxb, sxt, sxh,
-    BT: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+    BDT: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """grid (cdiv(NT, CPG), B*H): partial dP[h] = Σ xᵀ dℓ over CPG chunks of one (batch, head).
+    """grid (cdiv(NT, CPG), cdiv(D, BDT), B*H): partial dP[h] = Σ xᵀ dℓ over CPG chunks of one
+    (batch, head), rows d0..d0+BDT of it (the D tile: a ``[BDT, BM]`` accumulator, so that
+    d_h = 512 fits; one tile when BDT covers the padded D).
 
     x: q or k ([B, T, H_x, D], head h // G); dℓ: [B, T, H, M] fp32; dp_part: [NG, B*H, D, M]
     fp32, summed over its first two dims by the caller (deterministic, no atomics)."""
-    grp, pid_bh = tl.program_id(0), tl.program_id(1)
+    grp, pid_d, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hx = h // G
-    d_cols = tl.arange(0, BD)
+    d_cols = pid_d * BDT + tl.arange(0, BDT)
     m_idx = tl.arange(0, BM)
-    acc = tl.zeros([BD, BM], dtype=tl.float32)
+    acc = tl.zeros([BDT, BM], dtype=tl.float32)
     x_base = x_ptr + b * sxb + hx * sxh
     for i in range(0, CPG):
         t0 = (grp * CPG + i) * BT
@@ -567,6 +620,6 @@ def asa_bwd_dp_kernel(
         dl = tl.load(dl_ptr + o_rows[:, None] * M + m_idx[None, :],
                      mask=row_mask[:, None] & (m_idx[None, :] < M), other=0.0)
         acc += tl.dot(tl.trans(xc), dl, input_precision=PREC)
-    out = (grp * tl.num_programs(1) + pid_bh) * D * M
+    out = (grp * tl.num_programs(2) + pid_bh) * D * M
     tl.store(dp_part_ptr + out + d_cols[:, None] * M + m_idx[None, :], acc,
              mask=(d_cols[:, None] < D) & (m_idx[None, :] < M))

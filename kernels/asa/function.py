@@ -43,7 +43,12 @@ class LaunchConfig:
     """ASA's fixed launch configuration (no autotuning: it must also run under TRITON_INTERPRET=1).
 
     Tiles: BT tokens per chunk (the intra-chunk products are BT x BT tensor-core tiles), BD, BM
-    the padded head dim and feature count, BV_* the Dv block per kernel (BV_state: the
+    the padded head dim and feature count, BDT the D tile (a power of two, 16 <= BDT <= BD): the
+    feature logits q P_Q, k P_K accumulate over D tiles of BDT columns, dq = dl P_Qᵀ,
+    dk = dl P_Kᵀ are computed and written per D tile, and the dP kernel runs one program per
+    D tile, so that no program holds a [BT, BD] slice of q/k or a [BD, BM] slice of P wider
+    than BDT (d_h = 512); BDT = BD is the untiled form, bit for bit. BV_* the Dv block per
+    kernel (BV_state: the
     sequential state scans; BV_delta: the per-chunk delta kernel; BV_out, BV_bwd: the output and
     gradient kernels); *_warps the warps per kernel; stages the software-pipelining depth; PREC
     the dots' precision (tf32 is ignored for 16-bit inputs); CPG chunks per program of the dP
@@ -64,6 +69,7 @@ class LaunchConfig:
     state, a sum over every earlier token, outgrows at long T)."""
     BT: int
     BD: int
+    BDT: int
     BM: int
     BV_state: int
     BV_delta: int
@@ -107,6 +113,20 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # m of 256) and fp32 tiles (twice the bytes; fp32 is for checking, not for speed) keep
         # 64 so a chunk's tiles still fit in registers and shared memory
         BT=64 if interpreting or big_tiles else 128, BD=BD, BM=BM,
+        # the D tile: compiled, at most 128 wide, so that d_h of 256 and 512 load q/k and P in
+        # [64, 128] and [128, BM <= 128] slices (the sizes d_h = 128 runs at; BT is 64 for them,
+        # big_tiles) and the features cost D/128 accumulating dots; in the interpreter the whole
+        # BD (one tile, the untiled code), the tests tiling it through the override.
+        # d_h = 512 (the paper's ASA 1.3B head, m = 64 by default, at most 128), compiled, all
+        # from the rules here, none measured yet: BT = 64 (big_tiles: [64, ·] fp32 accumulators,
+        # as d_h 256 ran), BDT = 128, BM = m padded (64 or 128), BV_delta = BV_bwd = 64 and
+        # BV_state = 64 (Dv = 512 in 8 blocks: more programs, nothing wider than 128 live),
+        # BV_out = 128 (4 blocks), 4 warps everywhere (the delta kernel's 8 are for 128-wide
+        # tiles only): per program the widest live tiles are then [64, 128] of q/k/v/dO, [128,
+        # 128] of P or a state block, [64, BM] of features. The gradient kernel recomputes the
+        # features of each block it meets (D/128 dots each), so its cost grows with d_h
+        # (docs/benchmarks.md: what a GPU session should still measure). Its rows: below
+        BDT=BD if interpreting else min(BD, 128),
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
         # the per-chunk delta kernel: one program per chunk (the features computed once), 8
         # warps without spills; tiles wider than 128 and fp32 keep 64 columns and 4 warps
@@ -119,12 +139,20 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
         r_kernel=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
-        bwd_rows=32 if interpreting else 64, out_rows=32 if interpreting else 64,
+        # the gradient kernel at d_h or d_v of 512 (8 Dv blocks of 64, unrolled): 32 rows; at
+        # 64, sm_90 compiles (tools/kernel_spills.py, Triton 3.9, no GPU) spilled 12.5 KB per
+        # thread on the key side and 3.5 KB on the query side, at 32 rows 1.3 and 0.5 KB
+        # (d_h 128 at 64 rows: 3.1 and 0.4 KB); not timed yet (test_d_tiles_launch_gpu: the A/B)
+        bwd_rows=32 if interpreting or max(BD, BV_all) >= 512 else 64,
+        out_rows=32 if interpreting else 64,
     )
     cfg = env_overrides(cfg, LAUNCH_ENV)
     # rows per program, in blocks of a chunk (64-token chunks: one block)
     cfg = dataclasses.replace(cfg, bwd_rows=min(cfg.bwd_rows, cfg.BT),
-                              out_rows=min(cfg.out_rows, cfg.BT))
+                              out_rows=min(cfg.out_rows, cfg.BT), BDT=min(cfg.BDT, cfg.BD))
+    if cfg.BDT < 16 or cfg.BDT & (cfg.BDT - 1):
+        raise ValueError(f"ASA launch config: BDT={cfg.BDT}; allowed a power of two from 16 to "
+                         f"BD={cfg.BD}")
     for name in ("bwd_rows", "out_rows"):
         rows = getattr(cfg, name)
         if rows < 16 or cfg.BT % rows:
@@ -134,16 +162,24 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
 
 
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
-    """Whether the compiled (GPU) kernels are verified for these sizes.
+    """Whether the compiled (GPU) kernels are allowed for these sizes.
 
-    Verified by the GPU tests (tests/test_asa_kernel.py): D and Dv padded to 64, 128 or 256 and
-    m up to 256 (the feature tile padded to at least 64, see ``launch_config``), except d_h or
-    d_v of 256 together with m > 64, which no GPU test has run yet. Other sizes are refused on
-    CUDA until verified there. The interpreter (CPU) runs every size.
+    Verified by the GPU tests (tests/test_asa_kernel.py, H100, 2026-11-22): D and Dv padded to
+    64, 128 or 256 and m up to 256 (the feature tile padded to at least 64, see
+    ``launch_config``) with D, Dv <= 128 (d_h 128 with m 256), and d_h 256 with m <= 64.
+    Allowed since the D tiling (launch field ``BDT``): D and Dv padded up to 512 with m <= 128
+    (the paper's ASA 1.3B head: d_h = 512). D or Dv of 512, and 256 with m = 128, are verified
+    in the interpreter only (CPU, tests with BDT < BD; the compiled default BDT = 128 also
+    changes the d_h = 256 kernels) until the ``gpu``-marked tests at d_h in {256, 512}
+    (``test_kernel_d256_d512_gpu`` and the packed / prefill ones beside it) have run. Other
+    sizes are refused on CUDA until verified there. The interpreter (CPU) runs every size.
     """
-    wide = max(_pow2(D), _pow2(Dv)) == 256
-    return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
-            and _pow2(m) in (32, 64, 128, 256) and not (wide and _pow2(m) > 64))
+    pD, pDv, pm = _pow2(D), _pow2(Dv), _pow2(m)
+    if pD not in (64, 128, 256, 512) or pDv not in (64, 128, 256, 512):
+        return False
+    if max(pD, pDv) <= 128:
+        return pm in (32, 64, 128, 256)
+    return pm in (32, 64, 128)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +224,8 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
         x_ptr=x, p_ptr=p, y_ptr=y, den_ptr=den, r_ptr=r, delta_ptr=delta, dz_ptr=dz,
         chunks_ptr=chunks if chunks is not None else delta, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
         sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), syb=y.stride(0), syt=y.stride(1),
-        syh=y.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_delta, BACKWARD=backward,
+        syh=y.stride(2), BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_delta,
+        BACKWARD=backward,
         NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.delta_warps,
         num_stages=cfg.stages)
     return delta, dz
@@ -223,7 +260,8 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
         k_ptr=k, v_ptr=v, pk_ptr=p_k, s0_ptr=s0 if has_s0 else states, z0_ptr=z0 if has_s0 else zs,
         states_ptr=states, zs_ptr=zs, st_ptr=s_final, zt_ptr=z_final, T=T, H=H, G=G, D=D, M=m,
         DV=Dv, NT=NT, skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0),
-        svt=v.stride(1), svh=v.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state,
+        svt=v.stride(1), svh=v.stride(2), BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
+        BV=cfg.BV_state,
         HAS_S0=has_s0, STORE_FINAL=store_final, PREC=cfg.PREC, num_warps=cfg.state_warps,
         num_stages=cfg.stages)
     return states, zs, (s_final, z_final) if store_final else None
@@ -246,7 +284,8 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
     asa_bwd_states_kernel[(triton.cdiv(Dv, cfg.BV_state), B * H)](
         q_ptr=q, pq_ptr=p_q, do_ptr=d_o, den_ptr=den, r_ptr=r, dstates_ptr=dstates, dzs_ptr=dzs,
         T=T, H=H, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
-        BT=cfg.BT, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_state, NORM=norm, PREC=cfg.PREC,
+        BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_state, NORM=norm,
+        PREC=cfg.PREC,
         num_warps=cfg.state_warps, num_stages=cfg.stages)
     return dstates, dzs
 
@@ -277,9 +316,9 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     cpg = max(1, min(cpg, 16, NT))
     n_groups = triton.cdiv(NT, cpg)
     part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
-    asa_bwd_dp_kernel[(n_groups, B * H)](
+    asa_bwd_dp_kernel[(n_groups, triton.cdiv(D, cfg.BDT), B * H)](
         x_ptr=x, dl_ptr=dl, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m, NT=NT, CPG=cpg,
-        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), BT=cfg.BT, BD=cfg.BD, BM=cfg.BM,
+        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), BDT=cfg.BDT, BT=cfg.BT, BM=cfg.BM,
         PREC=cfg.PREC, num_warps=cfg.dp_warps, num_stages=cfg.stages)
     return part.sum(dim=(0, 1))
 
@@ -317,7 +356,8 @@ class ASAChunkFunction(torch.autograd.Function):
             chunks_ptr=chunks if chunks is not None else den, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
             sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), skb=k.stride(0), skt=k.stride(1),
             skh=k.stride(2), svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), BT=cfg.BT,
-            RB=cfg.out_rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_out, NORM=norm, PREC=cfg.PREC,
+            RB=cfg.out_rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_out, NORM=norm,
+            PREC=cfg.PREC,
             VARLEN=chunks is not None, num_warps=cfg.out_warps, num_stages=cfg.stages)
         kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
@@ -364,7 +404,8 @@ class ASAChunkFunction(torch.autograd.Function):
                 dv_ptr=dv_h, dl_ptr=dl, chunks_ptr=chunks if chunks is not None else den, T=T, H=H,
                 G=G, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
                 skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0), svt=v.stride(1),
-                svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BM=cfg.BM, BV=cfg.BV_bwd,
+                svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
+                BV=cfg.BV_bwd,
                 NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
                 VARLEN=chunks is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if G > 1:
@@ -393,8 +434,8 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
             f"asa_attention_kernel: head dim D={q.shape[3]}, rank m={p_q.shape[2]}, value dim "
-            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 256, 16 < m <= "
-            "256, m <= 64 when D or Dv > 128); use impl='reference' or impl=None")
+            f"Dv={v.shape[3]} are outside the GPU-verified sizes (32 < D, Dv <= 512, 16 < m <= "
+            "256, m <= 128 when D or Dv > 128); use impl='reference' or impl=None")
     if normalize not in NORM_CODES:
         raise ValueError(f"asa_attention_kernel: normalize={normalize!r} is not one of "
                          f"{tuple(NORM_CODES)}")
