@@ -393,12 +393,13 @@ def test_d_tiles_prefill_and_decode(monkeypatch):
 
 
 def test_d_tiles_default_and_bounds(monkeypatch):
-    """BDT defaults to BD in the interpreter (the untiled kernels), min(BD, 128) compiled; an
-    override wider than BD is clamped to it, one that is not a power of two ≥ 16 refused."""
+    """BDT defaults to BD in the interpreter (the untiled kernels) and compiled up to d_h 256
+    (the GPU-verified kernels), 128 at d_h 512; an override wider than BD is clamped to it, one
+    that is not a power of two ≥ 16 refused."""
     launch = KERNEL.function.launch_config
     assert launch(512, 64, 512, torch.bfloat16).BDT == 512  # the interpreter here
     monkeypatch.setattr(KERNEL.function, "triton_interpreting", lambda: False)
-    for d, bdt in ((64, 64), (128, 128), (256, 128), (512, 128), (48, 64)):
+    for d, bdt in ((64, 64), (128, 128), (256, 256), (512, 128), (48, 64)):
         cfg = launch(d, 64, d, torch.bfloat16)
         assert (cfg.BD, cfg.BDT) == (triton.next_power_of_2(max(d, 16)), bdt)
     cfg = launch(512, 64, 512, torch.bfloat16)  # d_h 512: 64-token chunks, tiles <= 128 wide
@@ -592,6 +593,11 @@ def test_gpu_verified_sizes():
     assert ok(256, 128, 256) and ok(512, 64, 512) and ok(512, 128, 512) and ok(512, 64, 128)
     assert not ok(512, 256, 512) and not ok(256, 256, 256) and not ok(1024, 64, 1024)
     assert not ok(32, 16, 32)
+    # impl=None picks the kernel on CUDA only where the GPU tests ran (2026-11-22)
+    verified = KERNEL.kernel_verified
+    assert verified(128, 64, 128) and verified(256, 64, 256) and verified(128, 256, 128)
+    assert not verified(256, 128, 256) and not verified(512, 64, 512)
+
 
 
 # sizes at the edge of the verified ones, each in its own process with kernel_supports lifted,

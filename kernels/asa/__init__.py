@@ -13,7 +13,8 @@ _LAZY = {
     "ASAChunkFunction": ".function",
     "asa_attention_kernel": ".function",
     "kernel_supports": ".function",
+    "kernel_verified": ".function",
 }
 __getattr__ = lazy_attributes(__name__, _LAZY)
 
-__all__ = ["ASAChunkFunction", "asa_attention_kernel", "kernel_supports"]
+__all__ = ["ASAChunkFunction", "asa_attention_kernel", "kernel_supports", "kernel_verified"]

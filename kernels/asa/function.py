@@ -126,7 +126,9 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # 128] of P or a state block, [64, BM] of features. The gradient kernel recomputes the
         # features of each block it meets (D/128 dots each), so its cost grows with d_h
         # (docs/benchmarks.md: what a GPU session should still measure). Its rows: below
-        BDT=BD if interpreting else min(BD, 128),
+        # d_h <= 256 compiled keeps the whole BD (the GPU-verified untiled kernels, bit for bit)
+        # until the GPU A/B (test_d_tiles_launch_gpu) says a 128-wide tile is as good there
+        BDT=BD if interpreting or BD <= 256 else 128,
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
         # the per-chunk delta kernel: one program per chunk (the features computed once), 8
         # warps without spills; tiles wider than 128 and fp32 keep 64 columns and 4 warps
@@ -161,6 +163,16 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
     return cfg
 
 
+def kernel_verified(D: int, m: int, Dv: int) -> bool:
+    """Whether the GPU tests have verified the compiled kernels at these sizes: what
+    ``ops.asa_attention(impl=None)`` picks the kernel for on CUDA (elsewhere the reference runs).
+    D and Dv padded to 64, 128 or 256 and m up to 256, except d_h or d_v of 256 with m > 64
+    (H100, 2026-11-22). ``kernel_supports`` is wider: what ``impl="kernel"`` accepts."""
+    wide = max(_pow2(D), _pow2(Dv)) == 256
+    return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
+            and _pow2(m) in (32, 64, 128, 256) and not (wide and _pow2(m) > 64))
+
+
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
     """Whether the compiled (GPU) kernels are allowed for these sizes.
 
@@ -169,10 +181,12 @@ def kernel_supports(D: int, m: int, Dv: int) -> bool:
     ``launch_config``) with D, Dv <= 128 (d_h 128 with m 256), and d_h 256 with m <= 64.
     Allowed since the D tiling (launch field ``BDT``): D and Dv padded up to 512 with m <= 128
     (the paper's ASA 1.3B head: d_h = 512). D or Dv of 512, and 256 with m = 128, are verified
-    in the interpreter only (CPU, tests with BDT < BD; the compiled default BDT = 128 also
-    changes the d_h = 256 kernels) until the ``gpu``-marked tests at d_h in {256, 512}
-    (``test_kernel_d256_d512_gpu`` and the packed / prefill ones beside it) have run. Other
-    sizes are refused on CUDA until verified there. The interpreter (CPU) runs every size.
+    in the interpreter only (CPU, tests with BDT < BD; compiled, d_h 512 runs BDT = 128, d_h
+    <= 256 the untiled kernels) until the ``gpu``-marked tests at d_h in {256, 512}
+    (``test_kernel_d256_d512_gpu`` and the packed / prefill ones beside it) have run: until
+    then ``impl=None`` keeps the reference for them (``kernel_verified``) and ``impl="kernel"``
+    (``--subq-impl kernel``) runs them. Other sizes are refused on CUDA. The interpreter (CPU)
+    runs every size.
     """
     pD, pDv, pm = _pow2(D), _pow2(Dv), _pow2(m)
     if pD not in (64, 128, 256, 512) or pDv not in (64, 128, 256, 512):

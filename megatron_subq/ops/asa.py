@@ -213,16 +213,17 @@ def asa_decode_step(q, k, v, p_q, p_k, state: ASAState, normalize: str = "linear
 # ------------------------------------------------------------------------------------------
 def _kernel(q, v, p_q, impl: Optional[str]):
     """The Triton implementation, or None when triton (or the kernel package) is missing — or,
-    for ``impl=None`` on CUDA, when the sizes are outside the kernel's GPU-verified ones (the
-    reference runs instead; ``impl="kernel"`` gets the kernel's own error)."""
+    for ``impl=None`` on CUDA, when the sizes are outside the kernel's GPU-verified ones
+    (``kernel_verified``: the reference runs instead; ``impl="kernel"`` runs what
+    ``kernel_supports`` allows, d_h up to 512, and gets the kernel's own error beyond)."""
     try:
         from megatron_subq.kernels.asa import (  # noqa: PLC0415
             asa_attention_kernel,
-            kernel_supports,
+            kernel_verified,
         )
     except ImportError:
         return None
-    if impl is None and q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
+    if impl is None and q.is_cuda and not kernel_verified(q.shape[3], p_q.shape[2], v.shape[3]):
         return None
     return asa_attention_kernel
 
