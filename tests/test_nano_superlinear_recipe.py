@@ -7,7 +7,6 @@ written.
 """
 
 import json
-import lzma
 import os
 import sys
 
@@ -16,7 +15,7 @@ import yaml
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")
 if not hasattr(transformers, "NemotronHConfig"):
     pytest.skip("NemotronH needs transformers >= 5.3", allow_module_level=True)
 
@@ -25,8 +24,8 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_subq.evaluation import niah  # noqa: E402
 from megatron_subq.testing.convert import tiny_nemotron_h  # noqa: E402
+from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: E402
 from tools import curriculum  # noqa: E402
 
 RECIPE = os.path.join(ROOT, "recipes", "nemotron-3-nano-superlinear")
@@ -55,18 +54,7 @@ TINY = {"hybrid-override-pattern": "M*E-ME", "num-layers": 6, "hidden-size": 32,
 def _tokenizer(folder):
     """A 2000-token byte-level BPE of corpus sentences and the NIAH template (NIAH prompts of a
     few hundred tokens fit it)."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    with lzma.open(CORPUS, "rt", encoding="utf-8") as f:
-        texts = [json.loads(next(f))["text"] for _ in range(60)]
-    sentences = [s for t in texts for s in niah.split_sentences(t)]
-    hf = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(sentences + [niah.PREFIX, niah.NEEDLE, niah.QUESTION] * 5,
-                           trainers.BpeTrainer(vocab_size=2000, special_tokens=["<unk>", "</s>"],
-                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf.save(os.path.join(folder, "tokenizer.json"))
+    train_niah_bpe(CORPUS, folder, documents=60, vocab_size=2000, template_repeats=5)
 
 
 def _stage(real, out, k, tok, lm, **over):

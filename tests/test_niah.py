@@ -4,7 +4,6 @@ checkpoint, the heatmap writer, and bad flags named."""
 
 import importlib.util
 import json
-import lzma
 import os
 import sys
 
@@ -14,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megatron_subq.evaluation import niah  # noqa: E402
+from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: E402
 from megatron_subq.training.tokenizer import build_tokenizer  # noqa: E402
 from tools import niah as niah_tool  # noqa: E402
 
@@ -26,20 +26,9 @@ HAVE_MISTRAL = importlib.util.find_spec("mistral_common") is not None
 def hf_dir(tmp_path_factory):
     """A byte-level BPE tokenizer.json of 400 tokens trained on corpus sentences: coarse (words
     of several tokens), so exact lengths need the character-level fallback too."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    with lzma.open(CORPUS, "rt", encoding="utf-8") as f:
-        texts = [json.loads(next(f))["text"] for _ in range(20)]
-    sentences = [s for t in texts for s in niah.split_sentences(t)]
-    hf = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(sentences + [niah.PREFIX, niah.NEEDLE, niah.QUESTION],
-                           trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"],
-                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    pytest.importorskip("tokenizers")
     folder = tmp_path_factory.mktemp("hf_tok")
-    hf.save(str(folder / "tokenizer.json"))
+    train_niah_bpe(CORPUS, str(folder), documents=20, vocab_size=400)
     return str(folder)
 
 
