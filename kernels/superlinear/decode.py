@@ -376,8 +376,7 @@ class SuperlinearDecodePlan:
         self.work = _work_buffers(batch * heads, self.a_stride, n_part, head_dim, topk, device)
         self.out = torch.empty(batch, heads, head_dim, dtype=dtype, device=device)
         self.geo = torch.zeros(5, dtype=torch.int32, device=device)
-        self._geo = None
-        self.length = None
+        self.length = None  # set_length's; None: no step set yet
 
     def set_length(self, length: int) -> None:
         """The next ``run`` computes the query at position length - 1 over keys [0, length)."""
@@ -387,7 +386,6 @@ class SuperlinearDecodePlan:
                              f"allowed an integer in [{self.capacity // 2 + 1}, {self.capacity}]"
                              " (this plan's capacity bucket; 1 for capacity 1)")
         geo = decode_geometry(length, **self.knobs)
-        self._geo = geo
         self.length = length
         host = torch.tensor([geo["pos"], geo["candidates"], geo["win_lo"], geo["back"],
                              geo["fwd"]], dtype=torch.int32)
@@ -398,7 +396,7 @@ class SuperlinearDecodePlan:
     def run(self, q, q_s, k_cache, v_cache):
         """One step (q, q_s [B, H, D]; caches [B, L >= length, H_kv, D], the layouts the plan
         was made for) into ``self.out``; launches only."""
-        if self._geo is None:
+        if self.length is None:
             raise RuntimeError("SuperlinearDecodePlan.run: call set_length first")
         return _launch(q, q_s, k_cache, v_cache, self.out, None, self.offsets,
                        self.a_stride, self.n_win, self.n_span, self.topk, self.chunk,
