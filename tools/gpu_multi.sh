@@ -429,10 +429,14 @@ stage_scaling() {
   done
   flush
 }
-summary_scaling() {
-  SD=$WORK/scaling; SL=$WORK/logs/scaling
-  [ -d "$SD" ] || return 0
+summary_dirs() {  # SD, SL of stage $1, its metrics and configs copied beside the logs; 1: not run
+  SD=$WORK/$1; SL=$WORK/logs/$1
+  [ -d "$SD" ] || return 1
   cp "$SD"/*.jsonl "$SD"/*.yaml "$SL/" 2> /dev/null
+  return 0
+}
+summary_scaling() {
+  summary_dirs scaling || return 0
   python3 - "$SD" "$SL" "${WARM:-10}" <<PY > "$OUT/scaling.md"
 $PYLIB
 import sys
@@ -547,9 +551,7 @@ EOF
   done
 }
 summary_hybrid() {
-  SD=$WORK/hybrid; SL=$WORK/logs/hybrid
-  [ -d "$SD" ] || return 0
-  cp "$SD"/*.jsonl "$SD"/*.yaml "$SL/" 2> /dev/null
+  summary_dirs hybrid || return 0
   python3 - "$SD" "$SL" "${WARM:-10}" <<PY > "$OUT/hybrid.md"
 $PYLIB
 import sys
@@ -601,9 +603,7 @@ stage_longctx() {
   done
 }
 summary_longctx() {
-  SD=$WORK/longctx; SL=$WORK/logs/longctx
-  [ -d "$SD" ] || return 0
-  cp "$SD"/*.jsonl "$SD"/*.yaml "$SL/" 2> /dev/null
+  summary_dirs longctx || return 0
   python3 - "$SD" "$SL" <<PY > "$OUT/longctx.md"
 $PYLIB
 import glob, sys
