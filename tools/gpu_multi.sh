@@ -282,12 +282,20 @@ stage_twonode() {
        "of $gbs x seq, checkpoint every $save_every, B's node 1 killed $kill_after iterations after it" | tee "$TL/plan.txt"
   cp "$TD/twonode.yaml" "$TL/"
 
-  # A: uninterrupted (saves only at the end, model only: the comparison needs no resumable A)
+  # A: uninterrupted (saves only at the end, model only: the comparison needs no resumable A).
+  # TWONODE_A=FILE takes A's metrics from an earlier call instead (the same recipe, seed and
+  # layout: A and B were bitwise equal up to the kill in the call that made docs/runs/gpu_multi)
   local t0=$SECONDS rc
-  can_start || { stamp "twonode: no time left for A"; return 1; }
-  submit a 9101 0 "${flags[@]}" --save-interval 1000000 --no-save-optim --no-save-rng
-  wait_job "$SUBMIT_PID" $(( CALL_LIMIT - RESERVE )); rc=$?
-  echo "A: exit $rc, wall $(( SECONDS - t0 )) s" | tee "$TL/a.wall"
+  if [ -n "${TWONODE_A:-}" ]; then
+    [ -f "$TWONODE_A" ] || { echo "TWONODE_A=$TWONODE_A: no such file" >&2; return 2; }
+    cp "$TWONODE_A" "$TD/a.jsonl"
+    echo "A: not run; its metrics are $TWONODE_A (an earlier call)" | tee "$TL/a.wall"
+  else
+    can_start || { stamp "twonode: no time left for A"; return 1; }
+    submit a 9101 0 "${flags[@]}" --save-interval 1000000 --no-save-optim --no-save-rng
+    wait_job "$SUBMIT_PID" $(( CALL_LIMIT - RESERVE )); rc=$?
+    echo "A: exit $rc, wall $(( SECONDS - t0 )) s" | tee "$TL/a.wall"
+  fi
 
   # B: node 1 killed KILL_AFTER iterations after the first complete checkpoint
   t0=$SECONDS
@@ -534,21 +542,38 @@ EOF
     --save "$SD/init" --no-save-optim --no-save-rng
   wait "${SC_PIDS[@]}" 2> /dev/null
   [ -f "$SD/init/latest_checkpointed_iteration.txt" ] || { stamp "hyb_init: no checkpoint"; return 1; }
-  local p
-  for p in "hyb_1gpu 1" "hyb_tp2sp_ep2_cp2 $NGPU"; do
-    set -- $p
-    can_start || { stamp "$1: skipped (call budget)"; echo "exit skipped (call budget)" > "$SL/$1.log"; continue; }
-    SC_PIDS=()
-    if [ "$2" = 1 ]; then
-      launch "$1" 1 0 "$SD/hybrid.yaml" $(( PORT + 40 )) $HYB_TINY $EXTRA \
-        --load "$SD/init" --finetune --metrics-file "$SD/$1.jsonl"
-    else
-      launch "$1" "$2" "$(gpu_list 0 "$2")" "$SD/hybrid.yaml" $(( PORT + 41 )) $HYB_TINY $EXTRA \
-        --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 \
-        --context-parallel-size 2 --load "$SD/init" --finetune --metrics-file "$SD/$1.jsonl"
-    fi
-    wait "${SC_PIDS[@]}" 2> /dev/null
+  # the runs: hyb_1gpu (A), hyb_1gpu_mb1 (the bf16-noise control: A's math at micro-batch 1, so
+  # only the summation grouping differs; beside A on GPU 1) and hyb_tp2sp_ep2_cp2 (B, all GPUs).
+  # HYB_REF=DIR adds an earlier call's metrics (DIR/<run>.jsonl) as ref_<run> to the comparison.
+  local runs=" ${HYB_RUNS:-hyb_1gpu hyb_1gpu_mb1 hyb_tp2sp_ep2_cp2} " r
+  if [ -n "${HYB_REF:-}" ]; then
+    for r in hyb_1gpu hyb_1gpu_mb1 hyb_tp2sp_ep2_cp2; do
+      [ -f "$HYB_REF/$r.jsonl" ] && cp "$HYB_REF/$r.jsonl" "$SD/ref_$r.jsonl"
+    done
+  fi
+  SC_PIDS=()
+  local gpu=0
+  for r in hyb_1gpu hyb_1gpu_mb1; do
+    [[ $runs == *" $r "* ]] || continue
+    can_start || { stamp "$r: skipped (call budget)"; echo "exit skipped (call budget)" > "$SL/$r.log"; continue; }
+    launch "$r" 1 "$gpu" "$SD/hybrid.yaml" $(( PORT + 40 + gpu )) $HYB_TINY $EXTRA \
+      $([ "$r" = hyb_1gpu_mb1 ] && echo --micro-batch-size 1) \
+      --load "$SD/init" --finetune --metrics-file "$SD/$r.jsonl"
+    gpu=$(( gpu + 1 ))
   done
+  wait "${SC_PIDS[@]}" 2> /dev/null
+  r=hyb_tp2sp_ep2_cp2
+  if [[ $runs == *" $r "* ]]; then
+    if can_start; then
+      SC_PIDS=()
+      launch "$r" "$NGPU" "$(gpu_list 0 "$NGPU")" "$SD/hybrid.yaml" $(( PORT + 42 )) $HYB_TINY $EXTRA \
+        --tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 \
+        --context-parallel-size 2 --load "$SD/init" --finetune --metrics-file "$SD/$r.jsonl"
+      wait "${SC_PIDS[@]}" 2> /dev/null
+    else
+      stamp "$r: skipped (call budget)"; echo "exit skipped (call budget)" > "$SL/$r.log"
+    fi
+  fi
 }
 summary_hybrid() {
   summary_dirs hybrid || return 0
@@ -560,17 +585,32 @@ print("## hybrid: the Nano-width hybrid (superlinear slots), 1 GPU vs TP 2 + SP,
 print(open(f"{sl}/plan.txt").read())
 print("| run | status | iterations | tokens/s/GPU (after %d) | peak mem/GPU (GB) |" % warm)
 print("|---|---|---|---|---|")
-names = ("hyb_1gpu", "hyb_tp2sp_ep2_cp2")
+names = ("hyb_1gpu", "hyb_1gpu_mb1", "hyb_tp2sp_ep2_cp2")
 print(f"| hyb_init (initial weights, 1 iteration at LR 0) | {status(f'{sl}/hyb_init.log')} | | | |")
-for name in names:
+for name in names + tuple("ref_" + n for n in names):
     att = attempts(f"{sd}/{name}.jsonl"); recs = att[-1] if att else []
-    print(f"| {name} | {status(f'{sl}/{name}.log')} | {len(recs)} | {rate(recs, warm) if recs else float('nan'):,.0f} | {peak_mem(f'{sl}/{name}.log'):.1f} |")
-rows, st = diff_table(losses(f"{sd}/{names[0]}.jsonl"), losses(f"{sd}/{names[1]}.jsonl"), 5)
-print()
-if st:
-    n, worst, at, mean = st
-    print(f"Loss per iteration, A = 1 GPU, B = 4 GPUs: {n} iterations, max abs diff {worst:.2e} (iteration {at}), mean {mean:.2e}\n")
-print("\n".join(rows))
+    if name.startswith("ref_") and not recs:
+        continue
+    st = "earlier call" if name.startswith("ref_") else status(f"{sl}/{name}.log")
+    print(f"| {name} | {st} | {len(recs)} | {rate(recs, warm) if recs else float('nan'):,.0f} | {peak_mem(f'{sl}/{name}.log'):.1f} |")
+a = losses(f"{sd}/hyb_1gpu.jsonl") or losses(f"{sd}/ref_hyb_1gpu.jsonl")
+pairs = (("hyb_tp2sp_ep2_cp2", "B = TP 2 + SP, EP 2, CP 2 on 4 GPUs"),
+         ("hyb_1gpu_mb1", "the control: 1 GPU at micro-batch 1 (bf16 noise)"),
+         ("ref_hyb_1gpu", "A of an earlier call (reproducibility)"),
+         ("ref_hyb_tp2sp_ep2_cp2", "B of an earlier call"),
+         ("ref_hyb_1gpu_mb1", "the control of an earlier call"))
+for name, what in pairs:
+    b = losses(f"{sd}/{name}.jsonl")
+    if not (a and b):
+        continue
+    rows, st = diff_table(a, b, 5)
+    print()
+    if st:
+        n, worst, at, mean = st
+        signed = [b[i] - a[i] for i in sorted(set(a) & set(b))]
+        print(f"Loss per iteration, A = 1 GPU vs {what}: {n} iterations, max abs diff {worst:.2e}"
+              f" (iteration {at}), mean abs {mean:.2e}, mean signed (B - A) {sum(signed) / len(signed):+.2e}\n")
+    print("\n".join(rows))
 PY
   cat "$OUT/hybrid.md"
 }

@@ -518,13 +518,17 @@ def _run(args, started: Optional[float] = None) -> Dict:
     device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = args.peak_tflops_per_gpu or (peak_tflops(device_name) if torch.cuda.is_available()
                                         else None)
+    ep = args.expert_model_parallel_size
+    ep_text = f", EP {ep}" if ep > 1 else ""
     print_rank_0(
-        f"> megatron_subq pretrain_gpt: variant {args.attention_variant} "
+        f"> megatron_subq pretrain_{'hybrid' if config.is_hybrid else 'gpt'}: variant "
+        f"{args.attention_variant} "
         f"(layers: {_layers_text(config)}), {n_params:,} parameters, vocab {vocab} "
         f"(tokenizer {tokenizer.vocab_size}), world {args.world_size} = TP "
         f"{args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
         f"{'CP %d x ' % args.context_parallel_size if args.context_parallel_size > 1 else ''}"
-        f"DP {args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}, "
+        f"DP {args.data_parallel_size}{' + SP' if args.sequence_parallel else ''}"
+        f"{ep_text}, "
         f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {device_name}, "
         f"{flops_iter / 1e12:.3f} TFLOP per iteration")
     if args.reset_attention_mask:
