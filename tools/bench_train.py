@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace one more step per arm: DIR/ARM.trace.json, DIR/ARM.top30.txt")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm (default 1800)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the arms one after another in this process instead of one process "
+                        "each (--nproc 1 only; quicker start, for tests: the CPU's peak memory is "
+                        "then the process's, over all arms so far)")
     # internal: one arm in this process (the parent starts it)
     p.add_argument("--worker", choices=KINDS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker-name", default=None, help=argparse.SUPPRESS)
@@ -233,6 +237,8 @@ def parse(argv):
             parser.error(f"--{name.replace('_', '-')} {value}: must be >= {low}")
     if opts.peak_tflops is not None and not (opts.peak_tflops > 0 and math.isfinite(opts.peak_tflops)):
         parser.error(f"--peak-tflops {opts.peak_tflops}: must be a positive number")
+    if opts.in_process and opts.nproc > 1:
+        parser.error(f"--in-process runs one process: not with --nproc {opts.nproc}")
     if opts.timeout <= 0:
         parser.error(f"--timeout {opts.timeout}: must be > 0")
     if opts.data_path and not (os.path.isfile(opts.data_path + ".bin")
@@ -316,6 +322,8 @@ def run_worker(opts, argv) -> int:
 
     args = arguments.parse_args(argv)
     created = T.initialize_distributed(args)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     try:
         from megatron.core import parallel_state  # noqa: PLC0415
 
@@ -440,11 +448,26 @@ def run_arm(opts, arm, argv, folder) -> dict:
     else:
         cmd = [sys.executable, tool]
     cmd += own + ["--"] + argv
+    print(f"== arm {arm['name']} ({arm['kind']}): {shlex.join(argv)}", flush=True)
+    started = time.monotonic()
+    if opts.in_process:
+        worker = build_parser().parse_args(own)
+        try:
+            rc, log = run_worker(worker, list(argv)), ""
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - reported as the arm's error
+            rc, log = 1, f"{type(e).__name__}: {e}"
+    else:
+        rc, log = _subprocess(opts, cmd)
+    wall = time.monotonic() - started
+    with open(os.path.join(folder, arm["name"] + ".log"), "w", encoding="utf-8") as f:
+        f.write(log)
+    return _result(arm, out, rc, log, wall)
+
+
+def _subprocess(opts, cmd):
     env = dict(os.environ)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    print(f"== arm {arm['name']} ({arm['kind']}): {shlex.join(argv)}", flush=True)
-    started = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=opts.timeout)
@@ -452,9 +475,10 @@ def run_arm(opts, arm, argv, folder) -> dict:
     except subprocess.TimeoutExpired as e:
         log = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         log, rc = log + f"\ntimed out after {opts.timeout} s", "timeout"
-    wall = time.monotonic() - started
-    with open(os.path.join(folder, arm["name"] + ".log"), "w", encoding="utf-8") as f:
-        f.write(log)
+    return rc, log
+
+
+def _result(arm, out, rc, log, wall) -> dict:
     if rc == 0 and os.path.isfile(out):
         with open(out, encoding="utf-8") as f:
             result = json.load(f)
