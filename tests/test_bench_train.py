@@ -58,7 +58,7 @@ def test_both_arms_json_and_profile(tmp_path, capsys):
     for name in ("ours", "anchor"):
         table = (prof / f"{name}.top30.txt").read_text()
         assert "Self CPU" in table and "aten::" in table
-        assert (prof / f"{name}.trace.json").stat().st_size > 1000
+        assert (prof / f"{name}.trace.json.gz").stat().st_size > 500
 
 
 @pytest.mark.parametrize("argv, names", [

@@ -29,7 +29,7 @@ Global batch = micro-batch x data-parallel size (one micro-batch per GPU per ste
 Each arm runs in its own process (``torchrun --nproc-per-node N`` when ``--nproc`` > 1):
 ``--warmup`` untimed steps, then ``--steps`` timed steps (each between two device syncs, the max over
 ranks); then, with ``--profile DIR``, one more step under ``torch.profiler`` (chrome trace
-``DIR/ARM.trace.json`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA time,
+``DIR/ARM.trace.json.gz`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA time,
 self CPU time on the CPU). Per arm: step time mean/stdev/min, tokens/s (total and per GPU), model
 FLOPs per step from ``megatron_subq.training.flops`` (the anchor counted as standard attention, so
 a standard-attention ``ours`` counts exactly the anchor's FLOPs), TFLOP/s per GPU, MFU against
@@ -101,8 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per GPU for MFU (default: the GPU's bf16 dense peak)")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="trace one more step per arm: DIR/ARM.trace.json, DIR/ARM.top30.txt")
+                   help="trace one more step per arm: DIR/ARM.trace.json.gz, DIR/ARM.top30.txt")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--logs", default=None, metavar="DIR",
+                   help="each arm's log, trainer config and JSON here (default: a temporary folder)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm (default 1800)")
     p.add_argument("--in-process", action="store_true",
                    help="run the arms one after another in this process instead of one process "
@@ -249,9 +251,9 @@ def parse(argv):
     if not opts.recipe and "--num-layers" not in common:
         parser.error("give --recipe NAME, or a model shape after -- (--num-layers ... "
                      "--hidden-size ... --num-attention-heads ...)")
-    for flag, path in (("--json", opts.json), ("--profile", opts.profile)):
+    for flag, path in (("--json", opts.json), ("--profile", opts.profile), ("--logs", opts.logs)):
         if path:
-            folder = path if flag == "--profile" else (os.path.dirname(os.path.abspath(path)))
+            folder = path if flag != "--json" else (os.path.dirname(os.path.abspath(path)))
             try:
                 os.makedirs(folder, exist_ok=True)
             except OSError as e:
@@ -390,7 +392,7 @@ def run_worker(opts, argv) -> int:
                 elapsed, _, _ = step()
             if dist.get_rank() == 0:
                 os.makedirs(opts.profile, exist_ok=True)
-                trace = os.path.join(opts.profile, f"{opts.worker_name}.trace.json")
+                trace = os.path.join(opts.profile, f"{opts.worker_name}.trace.json.gz")
                 table = os.path.join(opts.profile, f"{opts.worker_name}.top{TOP}.txt")
                 prof.export_chrome_trace(trace)
                 with open(table, "w", encoding="utf-8") as f:
@@ -560,7 +562,7 @@ def main(argv=None) -> int:
     opts, common, arms, parser = parsed
     import torch  # noqa: PLC0415
 
-    folder = tempfile.mkdtemp(prefix="bench_train_")
+    folder = os.path.abspath(opts.logs) if opts.logs else tempfile.mkdtemp(prefix="bench_train_")
     config_file = None
     if opts.recipe_file:
         config_file = os.path.join(folder, "recipe.yaml")
