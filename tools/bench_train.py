@@ -15,8 +15,8 @@ Arms (``--arm NAME=KIND[:TRAINER FLAGS]``, repeatable; default ``ours=ours ancho
   ``get_forward_backward_func`` step + the optimizer step), the layers of ``--attention-variant``.
 * ``anchor``: megatron-core's own ``GPTModel`` with its local spec (``get_gpt_layer_local_spec``:
   megatron's unfused ``DotProductAttention``, its local linear layers and norms), the same shape,
-  wrapped and stepped the same way with megatron-core's optimizer (the distributed optimizer when the
-  recipe asks for it), the same LR settings, micro-batch and sequence, and a REAL optimizer step
+  wrapped and stepped the same way with megatron-core's optimizer (the distributed optimizer when
+  the recipe asks for it), the same LR settings, micro-batch and sequence, and a REAL optimizer step
   (the earlier anchor was timed fwd+bwd only; the JSON says which this is).
 
 Every arm gets the same trainer flags: the recipe (``recipes/NAME.yaml`` or a path; its data,
@@ -27,12 +27,13 @@ Global batch = micro-batch x data-parallel size (one micro-batch per GPU per ste
 ``--global-batch-size``.
 
 Each arm runs in its own process (``torchrun --nproc-per-node N`` when ``--nproc`` > 1):
-``--warmup`` untimed steps, then ``--steps`` timed steps (each between two device syncs, the max over
-ranks); then, with ``--profile DIR``, one more step under ``torch.profiler`` (chrome trace
-``DIR/ARM.trace.json.gz`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA time,
-self CPU time on the CPU). Per arm: step time mean/stdev/min, tokens/s (total and per GPU), model
-FLOPs per step from ``megatron_subq.training.flops`` (the anchor counted as standard attention, so
-a standard-attention ``ours`` counts exactly the anchor's FLOPs), TFLOP/s per GPU, MFU against
+``--warmup`` untimed steps, then ``--steps`` timed steps (each between two device syncs, the max
+over ranks); then, with ``--profile DIR``, one more step under ``torch.profiler`` (chrome trace
+``DIR/ARM.trace.json.gz`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA
+time, self CPU time on the CPU). Per arm: step time mean/stdev/min, tokens/s (total and per
+GPU), model FLOPs per step from ``megatron_subq.training.flops`` (the anchor counted as standard
+attention, so a standard-attention ``ours`` counts exactly the anchor's FLOPs), TFLOP/s per GPU,
+MFU against
 ``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``: H100/H200 989; none on
 the CPU unless given), peak memory; then each arm's ratios against the first anchor arm. A table
 goes to stdout and everything to ``--json``. An arm that fails (e.g. out of memory) is reported
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trace one more step per arm: DIR/ARM.trace.json.gz, DIR/ARM.top30.txt")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--logs", default=None, metavar="DIR",
-                   help="each arm's log, trainer config and JSON here (default: a temporary folder)")
+                   help="each arm's log, trainer config and JSON here (default: a temp folder)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm (default 1800)")
     p.add_argument("--in-process", action="store_true",
                    help="run the arms one after another in this process instead of one process "
@@ -237,7 +238,8 @@ def parse(argv):
         low = 0 if name == "warmup" else 1
         if value is not None and value < low:
             parser.error(f"--{name.replace('_', '-')} {value}: must be >= {low}")
-    if opts.peak_tflops is not None and not (opts.peak_tflops > 0 and math.isfinite(opts.peak_tflops)):
+    peak = opts.peak_tflops
+    if peak is not None and not (peak > 0 and math.isfinite(peak)):
         parser.error(f"--peak-tflops {opts.peak_tflops}: must be a positive number")
     if opts.in_process and opts.nproc > 1:
         parser.error(f"--in-process runs one process: not with --nproc {opts.nproc}")
@@ -380,9 +382,10 @@ def run_worker(opts, argv) -> int:
         t = torch.tensor(times + [peak_memory_gb()], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times, memory = t[:-1].tolist(), t[-1].item()
-        loss_t = torch.tensor([losses[-1] if losses else float("nan")], dtype=torch.float64,
+        # the loss is on the last pipeline stage only; other ranks send -inf
+        loss_t = torch.tensor([losses[-1] if losses else -math.inf], dtype=torch.float64,
                               device=device)
-        dist.all_reduce(loss_t, op=dist.ReduceOp.MAX)  # nan on ranks without the loss: max skips?
+        dist.all_reduce(loss_t, op=dist.ReduceOp.MAX)
         profile = None
         if opts.profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile  # noqa: PLC0415
@@ -423,7 +426,7 @@ def run_worker(opts, argv) -> int:
                 "tflops_per_gpu": flops / mean / world / 1e12,
                 "peak_memory_gb": memory,
                 "peak_memory_kind": "max_memory_allocated" if cuda else "CPU peak RSS",
-                "last_loss": loss_t.item(),
+                "last_loss": loss_t.item() if loss_t.item() > -math.inf else None,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "trainer_flags": argv, "profile": profile,
             }
@@ -576,7 +579,8 @@ def main(argv=None) -> int:
         argv_arm = trainer_argv(opts, config_file, common, arm)
         args = check_trainer_flags(parser, arm, argv_arm, opts.nproc)
         if opts.global_batch_size is None:
-            argv_arm += ["--global-batch-size", str(args.micro_batch_size * args.data_parallel_size)]
+            gbs = args.micro_batch_size * args.data_parallel_size
+            argv_arm += ["--global-batch-size", str(gbs)]
         elif opts.global_batch_size % (args.micro_batch_size * args.data_parallel_size):
             parser.error(f"--global-batch-size {opts.global_batch_size}: not a multiple of "
                          f"micro-batch {args.micro_batch_size} x data-parallel size "
