@@ -99,6 +99,17 @@ def test_bad_input_is_refused_before_anything_runs(argv, names, capsys, tmp_path
     assert not (tmp_path / "x.json").exists()
 
 
+def test_dry_run_prints_each_arms_flags(capsys, tmp_path):
+    rc = _tool().main([*TINY, "--dry-run", "--json", str(tmp_path / "x.json"),
+                       "--arm", "a=ours:--attention-variant asa", "--arm", "b=anchor"])
+    assert rc == 0 and not (tmp_path / "x.json").exists()
+    lines = capsys.readouterr().out.splitlines()
+    a = next(line for line in lines if line.startswith("a (ours): "))
+    b = next(line for line in lines if line.startswith("b (anchor): "))
+    assert a.endswith("--attention-variant asa --global-batch-size 2") and "--mock-data" in a
+    assert "--attention-variant" not in b and "--vocab-size" not in b  # in the config file
+
+
 def test_no_shape_is_refused():
     tool = _tool()
     with pytest.raises(SystemExit):

@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="default: micro-batch x data-parallel size")
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="mock data's vocabulary (default: the recipe's, else 32000)")
+                   help="mock data's tokenizer size, EOD included (default: the recipe's "
+                        "--vocab-size, else 32000)")
     p.add_argument("--data-path", default=None,
                    help="a preprocessed prefix instead of mock data (tokenizer from the recipe)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
@@ -107,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="each arm's log, trainer config and JSON here (default: a temp folder)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per arm (default 1800)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every arm's flags, print them, run nothing")
     p.add_argument("--in-process", action="store_true",
                    help="run the arms one after another in this process instead of one process "
                         "each (--nproc 1 only; quicker start, for tests: the CPU's peak memory is "
@@ -166,10 +169,17 @@ def bench_config(path: str, out_path: str, vocab_size, mock: bool) -> dict:
         for k in ("tokenizer-model", "split"):
             c.pop(k, None)
         c["tokenizer-type"] = "NullTokenizer"
-        c["vocab-size"] = vocab_size or c.get("vocab-size") or 32000
+        c["vocab-size"] = null_vocab(vocab_size or c.get("vocab-size"))
     with open(out_path, "w", encoding="utf-8") as f:
         yaml.safe_dump(c, f, sort_keys=False)
     return c
+
+
+def null_vocab(tokens) -> int:
+    """NullTokenizer's --vocab-size for a tokenizer of ``tokens`` tokens (32000 if None): it adds
+    an EOD token, so the mock run's (padded) vocabulary is the real tokenizer's (the recipes'
+    1,364,297,728 parameters of Transformer++ 1.3B, not 0.5M more)."""
+    return int(tokens or 32000) - 1
 
 
 def trainer_argv(opts, config_file, common, arm) -> list:
@@ -184,7 +194,7 @@ def trainer_argv(opts, config_file, common, arm) -> list:
         argv += ["--mock-data"]
         if not config_file:
             argv += ["--tokenizer-type", "NullTokenizer",
-                     "--vocab-size", str(opts.vocab_size or 32000)]
+                     "--vocab-size", str(null_vocab(opts.vocab_size))]
     if opts.micro_batch_size:
         argv += ["--micro-batch-size", str(opts.micro_batch_size)]
     if opts.seq_length:
@@ -588,6 +598,10 @@ def main(argv=None) -> int:
         else:
             argv_arm += ["--global-batch-size", str(opts.global_batch_size)]
         argvs[arm["name"]] = argv_arm
+    if opts.dry_run:
+        for arm in arms:
+            print(f"{arm['name']} ({arm['kind']}): {shlex.join(argvs[arm['name']])}")
+        return 0
     results = []
     for arm in arms:
         result = run_arm(opts, arm, argvs[arm["name"]], folder)
