@@ -567,14 +567,31 @@ def table(report: dict) -> str:
     return head + "\n" + "\n".join(lines)
 
 
+def make_report(opts, argv, folder, results, pending) -> dict:
+    import torch  # noqa: PLC0415
+
+    device = next((r["device"] for r in results if "device" in r),
+                  torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    return {
+        "tool": "tools/bench_train.py",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python", "tools/bench_train.py", *argv]),
+        "device": device, "dtype": opts.dtype, "nproc": opts.nproc, "recipe": opts.recipe,
+        "warmup": opts.warmup, "steps": opts.steps, "data": opts.data_path or "mock",
+        "anchor_note": "anchor = megatron-core GPTModel + get_gpt_layer_local_spec, megatron-core "
+                       "optimizer with a real optimizer step (the earlier anchor was fwd+bwd only)",
+        "flops_note": "model FLOPs of megatron_subq.training.flops; the anchor counted as the "
+                      "standard variant",
+        "logs": folder, "arms": results, "ratios": ratios(results),
+        "pending_arms": [a["name"] for a in pending]}
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parsed = parse(argv)
     if parsed[0].worker:
         return run_worker(*parsed)
     opts, common, arms, parser = parsed
-    import torch  # noqa: PLC0415
-
     folder = os.path.abspath(opts.logs) if opts.logs else tempfile.mkdtemp(prefix="bench_train_")
     config_file = None
     if opts.recipe_file:
@@ -603,31 +620,20 @@ def main(argv=None) -> int:
             print(f"{arm['name']} ({arm['kind']}): {shlex.join(argvs[arm['name']])}")
         return 0
     results = []
-    for arm in arms:
+    for i, arm in enumerate(arms):
         result = run_arm(opts, arm, argvs[arm["name"]], folder)
         add_mfu(result, opts.peak_tflops)
         results.append(result)
-    device = next((r["device"] for r in results if "device" in r),
-                  torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    report = {
-        "tool": "tools/bench_train.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join(["python", "tools/bench_train.py", *argv]),
-        "device": device, "dtype": opts.dtype, "nproc": opts.nproc, "recipe": opts.recipe,
-        "warmup": opts.warmup, "steps": opts.steps, "data": opts.data_path or "mock",
-        "anchor_note": "anchor = megatron-core GPTModel + get_gpt_layer_local_spec, megatron-core "
-                       "optimizer with a real optimizer step (the earlier anchor was fwd+bwd only)",
-        "flops_note": "model FLOPs of megatron_subq.training.flops; the anchor counted as the "
-                      "standard variant",
-        "logs": folder, "arms": results, "ratios": ratios(results)}
+        report = make_report(opts, argv, folder, results, arms[i + 1:])
+        if opts.json:  # after every arm: a run stopped from outside keeps the arms done so far
+            with open(opts.json, "w", encoding="utf-8") as f:
+                json.dump(report, f, indent=1)
     print(table(report), flush=True)
     if opts.profile:
         for r in results:
             if r.get("profile"):
                 print(f"profile {r['name']}: {r['profile']['table']}", flush=True)
     if opts.json:
-        with open(opts.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
         print(f"wrote {opts.json}", flush=True)
     return 0 if all("error" not in r for r in results) else 1
 

@@ -4,7 +4,9 @@
 #   ours    the project's trainer, standard attention (recipes/transformer-pp-1.3b-100b.yaml)
 #   asa     the same with --attention-variant asa (its kernel)
 #   anchor  megatron-core's GPTModel, local spec, megatron-core's optimizer, real optimizer step
-# WARMUP (3) + STEPS (10) steps per arm, then one profiled step per arm (--profile).
+# WARMUP (3) + STEPS (10) steps per arm, then one profiled step per arm (--profile). The JSON is
+# rewritten after each arm, so a call stopped at BENCH_TIMEOUT keeps the arms that finished.
+# Carry gpu_kernel_suite.sh's .tcache.tgz.a* parts too if you have them (no ASA compiles).
 #
 #   source .whl/setup.sh && bash tools/gpu_train_bench.sh
 #
@@ -21,11 +23,16 @@ cd "$(dirname "$0")/.."
 RECIPE=${RECIPE:-transformer-pp-1.3b-100b}; MB=${MB:-8}; SEQ=${SEQ:-2048}
 WARMUP=${WARMUP:-3}; STEPS=${STEPS:-10}
 export PYTHONUNBUFFERED=1
+# gpu_kernel_suite.sh's Triton cache, when carried (.tcache.tgz.a*): ASA's kernels compile once
+export TRITON_CACHE_DIR=$PWD/.tcache
+mkdir -p "$TRITON_CACHE_DIR"
+if compgen -G ".tcache.tgz.a*" > /dev/null; then cat .tcache.tgz.a* | tar -xz; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ -n "${ARMS:-}" ]; then
   eval "arms=($ARMS)"
 else
-  arms=(--arm ours=ours --arm "asa=ours:--attention-variant asa" --arm anchor=anchor)
+  # ASA last: its kernels compile on a first call (minutes without a carried Triton cache)
+  arms=(--arm ours=ours --arm anchor=anchor --arm "asa=ours:--attention-variant asa")
 fi
 work=$(mktemp -d)
 set -x
