@@ -210,7 +210,8 @@ def trainer_argv(opts, config_file, common, arm) -> list:
 
 def check_trainer_flags(parser, arm, argv, world):
     """Parse an arm's trainer flags now (files checked), so a bad one stops everything before any
-    arm runs; fills the global batch. Returns the parsed namespace."""
+    arm runs; the anchor refuses what megatron-core's GPTModel cannot be (a hybrid, MoE). Returns
+    the parsed namespace."""
     from megatron_subq.training import arguments  # noqa: PLC0415
 
     tp = arguments.build_parser()
@@ -245,7 +246,7 @@ def parse(argv):
     for name in ("warmup", "steps", "nproc", "micro_batch_size", "seq_length",
                  "global_batch_size", "vocab_size"):
         value = getattr(opts, name)
-        low = 0 if name == "warmup" else 1
+        low = {"warmup": 0, "vocab_size": 2}.get(name, 1)
         if value is not None and value < low:
             parser.error(f"--{name.replace('_', '-')} {value}: must be >= {low}")
     peak = opts.peak_tflops
