@@ -120,6 +120,21 @@ def build_config(args):
 
     from ..config import SubqTransformerConfig  # noqa: PLC0415
 
+    kwargs = config_kwargs(args)
+    names = {f.name for f in dataclasses.fields(SubqTransformerConfig)}
+    try:
+        return SubqTransformerConfig(**{k: v for k, v in kwargs.items() if k in names})
+    except (ValueError, AssertionError, TypeError) as e:
+        message = str(e) or type(e).__name__
+        flags = [arguments.flag_for_field(k) for k in sorted(kwargs, key=len, reverse=True)
+                 if k in message and hasattr(args, k)]
+        arguments.fail(args, f"{', '.join(flags[:2]) or 'model configuration'}: {message}")
+
+
+def config_kwargs(args) -> dict:
+    """The model config's fields from the flags (megatron's TransformerConfig fields, the hybrid
+    and MoE ones, the variant knobs); ``build_config`` keeps the SubqTransformerConfig ones and
+    tools/bench_train.py's megatron-core anchor the TransformerConfig ones."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     kwargs = dict(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -161,14 +176,7 @@ def build_config(args):
     for f in arguments.variant_fields():
         if f.name not in kwargs and hasattr(args, f.name):
             kwargs[f.name] = getattr(args, f.name)
-    names = {f.name for f in dataclasses.fields(SubqTransformerConfig)}
-    try:
-        return SubqTransformerConfig(**{k: v for k, v in kwargs.items() if k in names})
-    except (ValueError, AssertionError, TypeError) as e:
-        message = str(e) or type(e).__name__
-        flags = [arguments.flag_for_field(k) for k in sorted(kwargs, key=len, reverse=True)
-                 if k in message and hasattr(args, k)]
-        arguments.fail(args, f"{', '.join(flags[:2]) or 'model configuration'}: {message}")
+    return kwargs
 
 
 def _hybrid_config_kwargs(args) -> dict:
@@ -228,13 +236,17 @@ def bare_model(args, config, vocab_size: int) -> torch.nn.Module:
 def build_model(args, config, vocab_size: int) -> List[torch.nn.Module]:
     """[DDP(Float16Module?(GPTModel | MambaModel))] for this pipeline stage (one chunk: no
     virtual PP); the hybrid host when ``config.hybrid_override_pattern`` is set."""
+    return wrap_model(args, config, bare_model(args, config, vocab_size))
+
+
+def wrap_model(args, config, model: torch.nn.Module) -> List[torch.nn.Module]:
+    """[DDP(Float16Module?(model))]: the trainer's wrapping of a bare model (moved to the GPU)."""
     from megatron.core.distributed import (  # noqa: PLC0415
         DistributedDataParallel,
         DistributedDataParallelConfig,
     )
     from megatron.core.transformer.module import Float16Module  # noqa: PLC0415
 
-    model = bare_model(args, config, vocab_size)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     if args.bf16 or args.fp16:
@@ -327,6 +339,19 @@ def _device() -> torch.device:
 # ------------------------------------------------------------------------------------------------
 # steps
 # ------------------------------------------------------------------------------------------------
+def set_step_hooks(args, config, model, optimizer) -> None:
+    """What megatron's schedules call around a step: gradient finalisation, loss scaling and the
+    DDP overlap hooks."""
+    from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
+    if args.overlap_grad_reduce:
+        config.no_sync_func = model[0].no_sync
+    if args.overlap_param_gather:
+        config.param_sync_func = model[0].start_param_sync
+
+
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's: (sum of masked token losses, token count, report [sum, count]).
 
@@ -498,14 +523,7 @@ def _run(args, started: Optional[float] = None) -> Dict:
     if not args.skip_train:  # evaluation only needs the weights
         optimizer, scheduler = build_optimizer(args, model)
 
-    from megatron.core.distributed import finalize_model_grads  # noqa: PLC0415
-
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
-    if args.overlap_grad_reduce:
-        config.no_sync_func = model[0].no_sync
-    if args.overlap_param_gather:
-        config.param_sync_func = model[0].start_param_sync
+    set_step_hooks(args, config, model, optimizer)
 
     overrides = kernel_launch_overrides()
     args.kernel_launch_overrides = json.dumps(overrides, sort_keys=True)  # saved with the args

@@ -1,0 +1,133 @@
+"""tools/bench_train.py on the CPU: both arms (the trainer and megatron-core's GPT), the JSON, the
+profile tables, and the refusals of bad input before anything runs."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "bench_train.py"
+TINY = ["--recipe", "tiny-cpu", "--vocab-size", "256", "--warmup", "2", "--steps", "2"]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("bench_train", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_report(report, names=("ours", "anchor")):
+    arms = {r["name"]: r for r in report["arms"]}
+    assert list(arms) == list(names)
+    for name, r in arms.items():
+        assert "error" not in r, r.get("log_tail")
+        assert r["tokens_per_s"] > 0 and r["tokens_per_s_per_gpu"] > 0
+        assert r["tokens_per_step"] == r["global_batch_size"] * r["seq_length"] == 2 * 64
+        assert r["timed_steps"] == len(r["step_times_s"]) == 2 and r["warmup_steps"] == 2
+        assert r["step_time_mean_s"] > 0 and r["step_time_stdev_s"] >= 0
+        assert math.isfinite(r["mfu"]) and r["mfu"] > 0
+        assert r["peak_memory_gb"] > 0 and r["optimizer_step"] is True
+        assert math.isfinite(r["last_loss"]) and r["dtype"] == "fp32"
+    ours, anchor = arms["ours"], arms["anchor"]
+    assert anchor["kind"] == "anchor" and "local spec" in anchor["layers"]
+    # the same model: parameters and model FLOPs per step
+    assert ours["parameters"] == anchor["parameters"]
+    assert ours["flops_per_step"] == anchor["flops_per_step"] > 0
+    assert report["ratios"]["baseline"] == "anchor"
+    assert report["ratios"]["ours"]["flops_per_step"] == 1.0
+    assert report["ratios"]["ours"]["tokens_per_s"] > 0
+    assert "real optimizer step" in report["anchor_note"]
+
+
+def test_both_arms_json_and_profile(tmp_path, capsys):
+    """Two arms, 2 + 2 steps each (in this process: the quick path), JSON and profile."""
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    rc = _tool().main([*TINY, "--in-process", "--peak-tflops", "1", "--json", str(out),
+                       "--profile", str(prof)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    _check_report(report)
+    printed = capsys.readouterr().out
+    assert "ours" in printed and "anchor" in printed and "vs anchor" in printed
+    for name in ("ours", "anchor"):
+        table = (prof / f"{name}.top30.txt").read_text()
+        assert "Self CPU" in table and "aten::" in table
+        assert (prof / f"{name}.trace.json.gz").read_bytes()[:2] == b"\x1f\x8b"  # gzip
+
+
+def test_shape_without_recipe_rmsnorm_swiglu(tmp_path):
+    """A shape given after -- (Transformer++'s block: RMSNorm, SwiGLU, RoPE, untied): the anchor
+    builds the same model (parameters and FLOPs equal)."""
+    out = tmp_path / "bench.json"
+    rc = _tool().main(["--warmup", "1", "--steps", "1", "--in-process", "--vocab-size", "128",
+                       "--json", str(out), "--", "--num-layers", "2", "--hidden-size", "64",
+                       "--num-attention-heads", "4", "--seq-length", "32",
+                       "--max-position-embeddings", "32", "--micro-batch-size", "2", "--lr", "1e-3",
+                       "--swiglu", "--normalization", "RMSNorm",
+                       "--untie-embeddings-and-output-weights"])
+    assert rc == 0
+    ours, anchor = json.loads(out.read_text())["arms"]
+    assert ours["parameters"] == anchor["parameters"]
+    assert ours["flops_per_step"] == anchor["flops_per_step"]
+    assert ours["tokens_per_s"] > 0 and anchor["tokens_per_s"] > 0 and ours["mfu"] is None
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--steps", "0"], "--steps 0"),
+    (["--recipe", "no-such-recipe"], "--recipe 'no-such-recipe'"),
+    (["--arm", "x=nope"], "KIND 'nope'"),
+    (["--arm", "a=ours", "--arm", "a=anchor"], "arm names must differ"),
+    (["--peak-tflops", "-3"], "--peak-tflops -3"),
+    (["--data-path", "/nonexistent/prefix"], "--data-path /nonexistent/prefix"),
+    (["--arm", "ours=ours:--num-layers 0"], "--arm ours (ours)"),
+    (["--arm", "ours=ours:--no-such-flag 1"], "--arm ours (ours)"),
+    (["--global-batch-size", "3"], "--global-batch-size 3"),
+])
+def test_bad_input_is_refused_before_anything_runs(argv, names, capsys, tmp_path):
+    tool = _tool()
+    with pytest.raises(SystemExit) as e:
+        tool.main([*TINY, "--in-process", "--json", str(tmp_path / "x.json"), *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert names in err, err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_dry_run_prints_each_arms_flags(capsys, tmp_path):
+    rc = _tool().main([*TINY, "--dry-run", "--json", str(tmp_path / "x.json"),
+                       "--arm", "a=ours:--attention-variant asa", "--arm", "b=anchor"])
+    assert rc == 0 and not (tmp_path / "x.json").exists()
+    lines = capsys.readouterr().out.splitlines()
+    a = next(line for line in lines if line.startswith("a (ours): "))
+    b = next(line for line in lines if line.startswith("b (anchor): "))
+    assert a.endswith("--attention-variant asa --global-batch-size 2") and "--mock-data" in a
+    assert "--attention-variant" not in b and "--vocab-size" not in b  # in the config file
+
+
+def test_no_shape_is_refused():
+    tool = _tool()
+    with pytest.raises(SystemExit):
+        tool.main(["--steps", "1"])
+
+
+@pytest.mark.slow
+def test_arms_in_subprocesses(tmp_path):
+    """The default: each arm in its own process (as on a GPU), one extra ours arm with a flag."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(TOOL), *TINY, "--peak-tflops", "1", "--json", str(out),
+         "--arm", "ours=ours", "--arm", "anchor=anchor",
+         "--arm", "asa=ours:--attention-variant asa"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    _check_report({**report, "arms": report["arms"][:2]})
+    asa = report["arms"][2]
+    assert "error" not in asa and "asa" in asa["layers"]
+    assert asa["flops_per_step"] != report["arms"][1]["flops_per_step"]  # its own core FLOPs
