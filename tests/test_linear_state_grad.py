@@ -81,8 +81,10 @@ def _spread(variant):
 
 
 def _compare(variant, B, T0, T, H, H_kv, D, dtype=torch.float32, use_o=True, use_final=True,
-             seed=5):
+             seed=5, max_shift=0.0):
     state, length0 = _initial_state(variant, B, T0, H, H_kv, D, seed)
+    if max_shift:  # nonapprox: a state whose max is above every new score (its own gradient)
+        state[2] = (state[2] + max_shift).detach().requires_grad_()
     args = _qkv(B, T, H, H_kv, D, dtype, seed + 1, *_spread(variant))
     g = torch.Generator().manual_seed(seed + 2)
     w_o = torch.randn(B, T, H, D, generator=g).to(DEVICE)
@@ -154,6 +156,50 @@ def test_approx_no_state_path_unchanged():
     o = ops.approx_attention(*args, impl="kernel")
     plain = torch.autograd.grad(o, args, d_o)
     o2, _ = ops.approx_prefill(*args, impl="kernel")
+    with_final = torch.autograd.grad(o2, args, d_o)
+    assert torch.equal(o, o2)
+    for a, b in zip(plain, with_final):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# nonapprox
+# ------------------------------------------------------------------------------------------
+def test_nonapprox_state_gradients_fp32():
+    """fp32, ragged (50 earlier tokens, 130 = 2 chunks of 64 + 2), GQA, padded D (24 in 32):
+    the final state's (num, den, max) gradients enter the reverse scan, the initial state's
+    come back; the final max's own gradient goes to the maximum score."""
+    _compare("nonapprox", 2, 50, 130, 4, 2, 24)
+
+
+def test_nonapprox_state_max_above_the_scores():
+    """The initial state's max above every new score: the final max is the initial one, and
+    its gradient goes to max0 (32-token chunks: D = 80)."""
+    _compare("nonapprox", 1, 20, 45, 4, 2, 80, max_shift=30.0)
+
+
+def test_nonapprox_only_the_final_state_has_a_gradient():
+    _compare("nonapprox", 1, 30, 70, 4, 2, 16, use_o=False)
+
+
+def test_nonapprox_state_gradients_fp16():
+    _compare("nonapprox", 1, 40, 150, 4, 2, 32, dtype=torch.float16)
+
+
+@pytest.mark.slow
+def test_nonapprox_state_gradients_without_final_state_use():
+    """Only o in the loss (state passing's use): the initial state's gradient alone."""
+    _compare("nonapprox", 2, 20, 65, 4, 2, 16, use_final=False)
+
+
+def test_nonapprox_no_state_path_unchanged():
+    """Without a state the kernel's gradients are those of the call without a final state,
+    bit for bit (the final state's unused outputs add nothing)."""
+    args = _qkv(1, 70, 4, 2, 16, torch.float32, 3)
+    d_o = torch.randn(1, 70, 4, 16, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    o = ops.nonapprox_attention(*args, impl="kernel")
+    plain = torch.autograd.grad(o, args, d_o)
+    o2, _ = ops.nonapprox_prefill(*args, impl="kernel")
     with_final = torch.autograd.grad(o2, args, d_o)
     assert torch.equal(o, o2)
     for a, b in zip(plain, with_final):
