@@ -38,6 +38,11 @@ CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
     for mode in ("linear", "mean", "none")] + [
     (f"{name}-state-passing", {**variant_test_settings(name),
                                 "context_parallel_scheme": "state_passing"})
+    for name in ("approx", "nonapprox")] + [
+    # the same on their Triton kernels (interpreted on the CPU): the kernel returns the
+    # starting state's gradient (CP=1 runs the kernel too)
+    (f"{name}-state-passing-kernel", {**variant_test_settings(name), "subq_impl": "kernel",
+                                       "context_parallel_scheme": "state_passing"})
     for name in ("approx", "nonapprox")]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 

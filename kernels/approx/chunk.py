@@ -18,6 +18,10 @@ features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states ent
                          da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ,   db_t = E_tᵀ a_t + v dS_tᵀ + dz_t
                          dv   = tril(A1/d1 + A2/d2 + 1/n)ᵀ dO + b1 dS1 + b2 dS2 + dsv
                          dq = σ (da1 + √2 q~ ⊙ da2),  dk = σ (db1 + √2 k~ ⊙ db2)
+              states: the final state is the initial one plus every chunk's sums, so the reverse
+                      sums start at the final state's gradient (instead of 0) and their total
+                      after chunk 0 is the initial state's gradient (both fp32; only when given
+                      or asked for: ``function.py``)
 
 The state scans (forward states and backward reverse states) run one of two ways, chosen by the
 launch option ``scan`` (``function.py: launch_config``):
