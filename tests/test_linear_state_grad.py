@@ -204,3 +204,23 @@ def test_nonapprox_no_state_path_unchanged():
     assert torch.equal(o, o2)
     for a, b in zip(plain, with_final):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: the compiled kernels at the sizes training uses (not run by the CPU suite)
+# ------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", ["parallel", "sequential"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+def test_approx_state_gradients_gpu(dtype, scan, monkeypatch):
+    monkeypatch.setenv(APPROX.function.LAUNCH_ENV, json.dumps({"scan": scan}))
+    _compare("approx", 2, 300, 1000, 8, 2, 128, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_nonapprox_state_gradients_gpu(dtype, D):
+    _compare("nonapprox", 2, 300, 1000, 8, 2, D, dtype=dtype)
