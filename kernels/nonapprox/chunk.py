@@ -17,7 +17,7 @@ the sums ≥ 1), and every reference used is an actual running max or lse, never
               dv_j = Σ_{i≥j} p_ij dO_i,   ds_j = v_j·dv_j − Σ_{i≥j} p_ij δ_i        (per query head)
               summary (parallel):   δ, and chunk c's Σ e^{R_{c−1} − lse_i} (dO_i, δ_i)  (R_c = lse at c's end)
               scan    (reverse):    A_c = Σ_{i after chunk c} e^{R_c − lse_i} (dO_i, δ_i)
-                                    (+ e^{R_c − max_T} (dnum_T, −dden_T): the final state's gradient)
+                                    + e^{R_c − max_T} (dnum_T, −dden_T) (final state's grad)
               grads   (parallel):   the intra-chunk [BT, BT] p block plus e^{s_j − R_c} A_c;
                                     dq = ds k SiLU'(q) / √D,  dk = Σ_group ds SiLU(q) / √D,  dv = Σ_group dv
 

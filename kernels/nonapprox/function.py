@@ -171,7 +171,8 @@ class NonapproxChunkFunction(torch.autograd.Function):
             if d_max is not None:
                 g_top = g_top + d_max.float()
             top, at = s.max(dim=-1)  # [B, H]
-            to_state = max0 >= top if max0 is not None else torch.zeros_like(top, dtype=torch.bool)
+            to_state = (max0 >= top) if max0 is not None else torch.zeros_like(top,
+                                                                              dtype=torch.bool)
             _add_score_grad(dq, dk, q, k, at, torch.where(to_state, 0.0, g_top), G)
         dmax0 = dden0 = dnum0 = None
         if want_state:
@@ -191,7 +192,7 @@ def _add_score_grad(dq, dk, q, k, at, g, G: int):
     B, T, H, D = q.shape
     idx = at[:, None, :, None].expand(B, 1, H, D)
     qj = q.gather(1, idx).float()  # [B, 1, H, D]
-    kj = k.repeat_interleave(G, dim=2).gather(1, idx).float() if G > 1 else k.gather(1, idx).float()
+    kj = (k.repeat_interleave(G, dim=2) if G > 1 else k).gather(1, idx).float()
     sig = torch.sigmoid(qj)
     gs = (g / math.sqrt(D))[:, None, :, None]
     dq.scatter_add_(1, idx, (gs * kj * sig * (1.0 + qj * (1.0 - sig))).to(dq.dtype))
