@@ -430,7 +430,7 @@ def _scan_states(scan, monkeypatch, B, T, H, H_kv, D, dtype, with_state, seed=21
     NT = s.shape[2]
     den = (torch.rand(B, H, 2, T, generator=g) + 0.5).to(DEVICE)  # away from the guard
     r = torch.randn(B, H, 2, T, generator=g).to(DEVICE)
-    ds, dzv = fn._reverse_states(q, d_o, den, r, cfg, H_kv, NT, 7, 1e-6)
+    ds, dzv, _ = fn._reverse_states(q, d_o, den, r, cfg, H_kv, NT, 7, 1e-6)
     return {"S": s, "zv": zv, "S_final": final[0], "zv_final": final[1], "dS": ds, "dzv": dzv}
 
 

@@ -38,7 +38,12 @@ CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
     for mode in ("linear", "mean", "none")] + [
     (f"{name}-state-passing", {**variant_test_settings(name),
                                 "context_parallel_scheme": "state_passing"})
-    for name in ("approx", "nonapprox")]
+    for name in ("approx", "nonapprox")] + [
+    # the same on their Triton kernels, interpreted (the ranks' tensors are on the CPU): the
+    # kernel returns the starting state's gradient (CP=1 runs the kernel too)
+    (f"{name}-state-passing-kernel", {**variant_test_settings(name), "subq_impl": "kernel",
+                                       "context_parallel_scheme": "state_passing"})
+    for name in ("approx", "nonapprox") if os.environ.get("TRITON_INTERPRET") == "1"]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 
 # the hybrid host: (name, pattern, attention slots, config overrides); Mamba groups split over

@@ -18,6 +18,10 @@ features). With a = f(q~), b = f(k~), chunks of ``BT`` tokens and the states ent
                          da_t = E_t b_t + (dO/d_t) S_tᵀ + r_t z_tᵀ,   db_t = E_tᵀ a_t + v dS_tᵀ + dz_t
                          dv   = tril(A1/d1 + A2/d2 + 1/n)ᵀ dO + b1 dS1 + b2 dS2 + dsv
                          dq = σ (da1 + √2 q~ ⊙ da2),  dk = σ (db1 + √2 k~ ⊙ db2)
+              states: the final state is the initial one plus every chunk's sums, so the reverse
+                      sums start at the final state's gradient (instead of 0) and their total
+                      after chunk 0 is the initial state's gradient (both fp32; only when given
+                      or asked for: ``function.py``)
 
 The state scans (forward states and backward reverse states) run one of two ways, chosen by the
 launch option ``scan`` (``function.py: launch_config``):
@@ -338,16 +342,19 @@ def approx_bwd_delta_kernel(
 
 @triton.jit
 def approx_bwd_states_kernel(
-    q_ptr, do_ptr, den_ptr, r_ptr, ds_ptr, dzv_ptr,
+    q_ptr, do_ptr, den_ptr, r_ptr, ds_ptr, dzv_ptr, ds0_ptr, dzv0_ptr, dsf_ptr, dzvf_ptr,
     T, H, HKV, G, D, NT, L0, scale, eps,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, HAS_INIT: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
     """grid (cdiv(D, BK), cdiv(D, BV), B*H_kv) (cfg scan="sequential"): the reverse states after
     every chunk, summed over the group's query heads, in one walk over the chunks (last first):
     dS_t = Σ (a_t/d_t)ᵀ dO ([BK, BV] blocks), dz_t = Σ r_t a_t (pid_v = 0), dsv = Σ dO / n
     (pid_k = 0). Layouts as the forward's states: ds_ptr [B, H_kv, NT, 2, D, D], dzv_ptr
-    [B, H_kv, NT, 3, D] (dz1, dz2, dsv)."""
+    [B, H_kv, NT, 3, D] (dz1, dz2, dsv).
+    HAS_INIT: the walk starts from the final state's gradient (ds0_ptr, dzv0_ptr:
+    [B, H_kv, 2, D, D], [B, H_kv, 3, D] fp32) instead of 0; STORE_FINAL: the sum after the
+    first chunk, the initial state's gradient, is written to dsf_ptr, dzvf_ptr (same layouts)."""
     pid_k, pid_v, pid_bk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, hk = pid_bk // HKV, pid_bk % HKV
     k_cols = pid_k * BK + tl.arange(0, BK)
@@ -356,11 +363,18 @@ def approx_bwd_states_kernel(
     s_off = k_cols[:, None] * D + v_cols[None, :]
     s_mask = k_ok[:, None] & v_ok[None, :]
     DD = D * D
-    dS1 = tl.zeros([BK, BV], dtype=tl.float32)
-    dS2 = tl.zeros([BK, BV], dtype=tl.float32)
-    dz1 = tl.zeros([BK], dtype=tl.float32)
-    dz2 = tl.zeros([BK], dtype=tl.float32)
-    dsv = tl.zeros([BV], dtype=tl.float32)
+    if HAS_INIT:
+        dS1 = tl.load(ds0_ptr + pid_bk * 2 * DD + s_off, mask=s_mask, other=0.0)
+        dS2 = tl.load(ds0_ptr + pid_bk * 2 * DD + DD + s_off, mask=s_mask, other=0.0)
+        dz1 = tl.load(dzv0_ptr + pid_bk * 3 * D + k_cols, mask=k_ok, other=0.0)
+        dz2 = tl.load(dzv0_ptr + pid_bk * 3 * D + D + k_cols, mask=k_ok, other=0.0)
+        dsv = tl.load(dzv0_ptr + pid_bk * 3 * D + 2 * D + v_cols, mask=v_ok, other=0.0)
+    else:
+        dS1 = tl.zeros([BK, BV], dtype=tl.float32)
+        dS2 = tl.zeros([BK, BV], dtype=tl.float32)
+        dz1 = tl.zeros([BK], dtype=tl.float32)
+        dz2 = tl.zeros([BK], dtype=tl.float32)
+        dsv = tl.zeros([BV], dtype=tl.float32)
     for i in range(NT):
         c = NT - 1 - i
         out = pid_bk * NT + c
@@ -395,6 +409,14 @@ def approx_bwd_states_kernel(
             dz1 += tl.sum(r1[:, None] * a1, axis=0)
             dz2 += tl.sum(r2[:, None] * a2, axis=0)
             dsv += tl.sum(do / count[:, None], axis=0)
+    if STORE_FINAL:
+        tl.store(dsf_ptr + pid_bk * 2 * DD + s_off, dS1, mask=s_mask)
+        tl.store(dsf_ptr + pid_bk * 2 * DD + DD + s_off, dS2, mask=s_mask)
+        if pid_v == 0:
+            tl.store(dzvf_ptr + pid_bk * 3 * D + k_cols, dz1, mask=k_ok)
+            tl.store(dzvf_ptr + pid_bk * 3 * D + D + k_cols, dz2, mask=k_ok)
+        if pid_k == 0:
+            tl.store(dzvf_ptr + pid_bk * 3 * D + 2 * D + v_cols, dsv, mask=v_ok)
 
 
 @triton.jit

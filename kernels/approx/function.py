@@ -2,8 +2,10 @@
 
 Layout ``[B, T, H, D]`` (k, v: ``[B, T, H_kv, D]``, GQA); the math and conventions are those of
 ``megatron_subq.ops.approx`` (the d_h^{-1/4} pre-scaling applied here; tests compare against it).
-Gradients flow to q, k and v; an initial state is an input without gradient and the final state
-an output without gradient (for prefill/decode, not for training through states).
+Gradients flow to q, k and v, and through the states: the initial state (fp32) gets its exact
+gradient and the final state's gradient flows back into q, k, v and the initial state (context
+parallelism's state passing trains through them). Without a state and without a gradient on the
+final state the backward does exactly what it did before (no extra work).
 """
 
 from __future__ import annotations
@@ -163,10 +165,14 @@ def _forward_states(k, v, state, cfg, store_final: bool):
     return s, zv, final
 
 
-def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: float):
+def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: float,
+                    init=None, store_final: bool = False):
     """The reverse states after every chunk, summed over each GQA group: dS (dS1, dS2; cfg's
     state dtype, ``[B, H_kv, NT, 2, D, D]``) and dzv (dz1, dz2, dsv; fp32
-    ``[B, H_kv, NT, 3, D]``)."""
+    ``[B, H_kv, NT, 3, D]``), and (store_final) the sums past the first chunk, the initial
+    state's gradient ``(dS [B, H_kv, 2, D, D], dzv [B, H_kv, 3, D])`` fp32, else None.
+    ``init``: None or the final state's gradient packed the same way (fp32, contiguous), where
+    the reverse sums start (the final state is the initial one plus every chunk's sums)."""
     B, T, H, D = q.shape
     G, scale = H // H_kv, D ** -0.25
     if cfg.scan == "parallel":
@@ -178,21 +184,34 @@ def _reverse_states(q, d_o, den, r, cfg, H_kv: int, NT: int, length0: int, eps: 
             G=G, D=D, NT=NT, NV=n_v, L0=length0, scale=scale, eps=eps, BT=cfg.BT, BK=cfg.BK_delta,
             BV=cfg.BV_delta, PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=cfg.delta_warps,
             num_stages=cfg.delta_stages)
-        return _scan_pair(ds, dzv, None, None, cfg, True, False, None, cfg.state_dtype)[:2]
+        s0, zv0 = init if init is not None else (None, None)
+        return _scan_pair(ds, dzv, s0, zv0, cfg, True, store_final, None, cfg.state_dtype)
     ds, dzv = _empty_states(B, H_kv, NT, D, cfg.state_dtype, q.device)
+    final = None
+    if store_final:
+        final = (torch.empty(B, H_kv, 2, D, D, dtype=torch.float32, device=q.device),
+                 torch.empty(B, H_kv, 3, D, dtype=torch.float32, device=q.device))
+    ds0, dzv0 = init if init is not None else (ds, dzv)  # never read without init
+    dsf, dzvf = final or (ds, dzv)  # never written without store_final
     grid = (triton.cdiv(D, cfg.BK_state), triton.cdiv(D, cfg.BV_state), B * H_kv)
     approx_bwd_states_kernel[grid](
-        q_ptr=q, do_ptr=d_o, den_ptr=den, r_ptr=r, ds_ptr=ds, dzv_ptr=dzv, T=T, H=H, HKV=H_kv, G=G,
+        q_ptr=q, do_ptr=d_o, den_ptr=den, r_ptr=r, ds_ptr=ds, dzv_ptr=dzv, ds0_ptr=ds0,
+        dzv0_ptr=dzv0, dsf_ptr=dsf, dzvf_ptr=dzvf, T=T, H=H, HKV=H_kv, G=G,
         D=D, NT=NT, L0=length0, scale=scale, eps=eps, BT=cfg.BT, BK=cfg.BK_state, BV=cfg.BV_state,
-        PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
-    return ds, dzv
+        PREC=cfg.PREC, DOT_F32=cfg.DOT_F32, HAS_INIT=init is not None, STORE_FINAL=store_final,
+        num_warps=8)  # 4 warps: ptxas spills ~400 B per thread
+    return ds, dzv, final
 
 
 class ApproxChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, eps: float, length0: int, s1_0, s2_0, z1_0, z2_0, sv_0,
                 output_final_state: bool, cfg: dict):
-        """cfg: ``launch_config(D, q.dtype)``, read once per call by ``approx_attention_kernel``."""
+        """cfg: ``launch_config(D, q.dtype)``, read once per call by ``approx_attention_kernel``.
+        s1_0, s2_0, z1_0, z2_0, sv_0: the initial state (kv1, kv2, sum_k1, sum_k2, sum_v; fp32)
+        or Nones; their gradients are returned when asked for. The final state's five outputs
+        are differentiable."""
+        ctx.set_materialize_grads(False)  # unused outputs: None, not zeros (no extra work)
         q, k, v = (x.contiguous() for x in (q, k, v))
         B, T, H, D = q.shape
         H_kv = k.shape[2]
@@ -222,17 +241,20 @@ class ApproxChunkFunction(torch.autograd.Function):
         # buffer: a decode step updates them in place)
         final = tuple(t.clone(memory_format=torch.contiguous_format)
                       for t in (*final[0].unbind(dim=2), *final[1].unbind(dim=2)))
-        ctx.mark_non_differentiable(*final)
         return (o, *final)
 
     @staticmethod
-    def backward(ctx, d_o, *_d_final):
+    def backward(ctx, d_o, *d_final):
         q, k, v, o1, o2, den, s0, zv0, s, zv = ctx.saved_tensors
         cfg, eps, length0 = ctx.cfg, ctx.eps, ctx.length0
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
-        d_o = d_o.contiguous()
+        # the final state's gradient (kv1, kv2, sum_k1, sum_k2, sum_v; None: unused) starts the
+        # reverse sums; the initial state's gradient is where they end
+        init = _pack_state_grad(d_final, q, H_kv, D)
+        want_state = s0 is not None and any(ctx.needs_input_grad[5:10])
+        d_o = torch.zeros_like(q) if d_o is None else d_o.contiguous()
         if s is None:  # not kept by the forward (cfg keep_states): recomputed
             state = None if s0 is None else (s0, zv0)
             s, zv, _ = _forward_states(k, v, state, cfg, False)
@@ -242,7 +264,8 @@ class ApproxChunkFunction(torch.autograd.Function):
         approx_bwd_prep_kernel[(NT, B * H)](
             do_ptr=d_o, o1_ptr=o1, o2_ptr=o2, den_ptr=den, r_ptr=r, T=T, H=H, D=D, eps=eps,
             BT=cfg.BT, BD=cfg.BD, num_warps=cfg.warps)
-        ds, dzv = _reverse_states(q, d_o, den, r, cfg, H_kv, NT, length0, eps)
+        ds, dzv, d_state = _reverse_states(q, d_o, den, r, cfg, H_kv, NT, length0, eps, init,
+                                           want_state)
         # dk, dv per query head, summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty_like(q)
@@ -265,7 +288,27 @@ class ApproxChunkFunction(torch.autograd.Function):
             dv = dv_h.view(B, T, H_kv, G, D).sum(dim=3).to(v.dtype)
         else:
             dk, dv = dk_h, dv_h
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+        d0 = (None,) * 5
+        if d_state is not None:  # kv1, kv2, sum_k1, sum_k2, sum_v
+            d0 = (*d_state[0].unbind(dim=2), *d_state[1].unbind(dim=2))
+        return (dq, dk, dv, None, None, *d0, None, None)
+
+
+def _pack_state_grad(d_final, q, H_kv: int, D: int):
+    """The final state's gradients (kv1, kv2, sum_k1, sum_k2, sum_v; None for those without)
+    packed as the reverse scans' start: fp32 ``([B, H_kv, 2, D, D], [B, H_kv, 3, D])``, or None
+    when none has a gradient."""
+    if not d_final or all(g is None for g in d_final):
+        return None
+    B = q.shape[0]
+    f32 = dict(dtype=torch.float32, device=q.device)
+
+    def pick(g, *shape):
+        return torch.zeros(B, H_kv, *shape, **f32) if g is None else g.to(torch.float32)
+
+    s = torch.stack([pick(g, D, D) for g in d_final[:2]], dim=2).contiguous()
+    zv = torch.stack([pick(g, D) for g in d_final[2:]], dim=2).contiguous()
+    return s, zv
 
 
 def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
@@ -276,6 +319,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
     ``state``: an ``ApproxState`` to continue from (not modified; any float dtype, used in fp32).
     Returns o ``[B, T, H, D]`` in q.dtype, or ``(o, ApproxState)`` after the T tokens when
     ``output_final_state`` — in the given state's dtype, else fp32, as the reference does.
+    Autograd runs through the state both ways: ``state``'s tensors get their gradient (through
+    the fp32 copy) and the returned state's tensors are differentiable (context parallelism's
+    state passing; ``state.length`` is a count, an int or a 0-dim tensor, without gradient).
     """
     op = "approx_attention_kernel"
     B, T, H, H_kv, D = check_chunk_kernel_inputs(op, q, k, v, SUPPORTED_DTYPES)
@@ -292,9 +338,9 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
     if state is not None:
         check_state(op, state, B, H_kv, D)
         # kernel argument order: kv1, kv2, sum_k1, sum_k2, sum_v
-        tensors0 = tuple(t.detach().to(torch.float32).contiguous()
+        tensors0 = tuple(t.to(torch.float32).contiguous()
                          for t in (state.kv1, state.kv2, state.sum_k1, state.sum_k2, state.sum_v))
-        length0 = state.length
+        length0 = int(state.length)  # a 0-dim tensor (state passing's count): one sync
     o, *final = ApproxChunkFunction.apply(q, k, v, float(eps), int(length0), *tensors0,
                                           bool(output_final_state), cfg)
     if not output_final_state:

@@ -17,6 +17,7 @@ the sums ≥ 1), and every reference used is an actual running max or lse, never
               dv_j = Σ_{i≥j} p_ij dO_i,   ds_j = v_j·dv_j − Σ_{i≥j} p_ij δ_i        (per query head)
               summary (parallel):   δ, and chunk c's Σ e^{R_{c−1} − lse_i} (dO_i, δ_i)  (R_c = lse at c's end)
               scan    (reverse):    A_c = Σ_{i after chunk c} e^{R_c − lse_i} (dO_i, δ_i)
+                                    + e^{R_c − max_T} (dnum_T, −dden_T) (final state's grad)
               grads   (parallel):   the intra-chunk [BT, BT] p block plus e^{s_j − R_c} A_c;
                                     dq = ds k SiLU'(q) / √D,  dk = Σ_group ds SiLU(q) / √D,  dv = Σ_group dv
 
@@ -199,22 +200,31 @@ def nonapprox_bwd_summary_kernel(
 
 @triton.jit
 def nonapprox_bwd_scan_kernel(
-    lse_ptr, cdo_ptr, cdelta_ptr, ado_ptr, adelta_ptr,
+    lse_ptr, cdo_ptr, cdelta_ptr, ado_ptr, adelta_ptr, fmax_ptr, gdo_ptr, gdelta_ptr,
     T, D, NT,
-    BT: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, NB: tl.constexpr, BV: tl.constexpr, HAS_FINAL: tl.constexpr,
 ):
     """grid (cdiv(D, BV), B*H): A_c = Σ_{i after chunk c} e^{R_c − lse_i} (dO_i, δ_i), R_c = lse at
     the end of chunk c. From the last block of NB chunks to the first; chunk c' > c contributes
-    its summary with weight e^{R_c − R_{c'−1}} ≤ 1."""
+    its summary with weight e^{R_c − R_{c'−1}} ≤ 1.
+    HAS_FINAL: the final state's gradient (num: gdo_ptr [B*H, D], den: gdelta_ptr = −dden
+    [B*H]) enters as one more term after the last token, relative to the final max (fmax_ptr
+    [B*H]): the final (num, den) weigh token j by e^{s_j − max}, as a query after the end with
+    lse = max would (e^{R_c − max} ≤ the final den, no overflow)."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     v_cols = pid_v * BV + tl.arange(0, BV)
     v_ok = v_cols < D
     idx = tl.arange(0, NB)
     after = idx[None, :] > idx[:, None]  # [c, c']: c' strictly after c
     # the carry: Σ over chunks >= the current block's end, relative to carry_ref
-    carry_ref = tl.full([], float("inf"), tl.float32)  # nothing yet: e^{x − inf} = 0
-    carry_do = tl.zeros([BV], dtype=tl.float32)
-    carry_delta = tl.full([], 0.0, tl.float32)
+    if HAS_FINAL:
+        carry_ref = tl.load(fmax_ptr + pid_bh)
+        carry_do = tl.load(gdo_ptr + pid_bh * D + v_cols, mask=v_ok, other=0.0)
+        carry_delta = tl.load(gdelta_ptr + pid_bh)
+    else:
+        carry_ref = tl.full([], float("inf"), tl.float32)  # nothing yet: e^{x − inf} = 0
+        carry_do = tl.zeros([BV], dtype=tl.float32)
+        carry_delta = tl.full([], 0.0, tl.float32)
     n_blocks = tl.cdiv(NT, NB)
     for blk in range(n_blocks):
         c0 = (n_blocks - 1 - blk) * NB

@@ -258,7 +258,9 @@ def approx_attention(q, k, v, impl: Optional[str] = None, eps: float = DEFAULT_E
 def approx_prefill(q, k, v, state: Optional[ApproxState] = None, impl: Optional[str] = None,
                    eps: float = DEFAULT_EPS) -> Tuple[torch.Tensor, ApproxState]:
     """``approx_attention`` continuing from ``state`` (default: empty) and returning the new state,
-    so that prefill chunks and ``approx_decode_step`` continue one another."""
+    so that prefill chunks and ``approx_decode_step`` continue one another. Both forms are
+    differentiable through the states (the kernel too: gradients of the starting state's
+    tensors, and from the returned ones): context parallelism's state passing uses it."""
     check_qkv("approx_prefill", q, k, v)
     kernel = _kernel(q, impl)
     if choose_impl("approx_prefill", impl, (q, k, v), kernel) == "kernel":

@@ -179,7 +179,9 @@ def nonapprox_attention(q, k, v, impl: Optional[str] = None,
 def nonapprox_prefill(q, k, v, state: Optional[NonapproxState] = None,
                       impl: Optional[str] = None) -> Tuple[torch.Tensor, NonapproxState]:
     """``nonapprox_attention`` continuing from ``state`` (default: empty) and returning the new
-    state, so that prefill chunks and ``nonapprox_decode_step`` continue one another."""
+    state, so that prefill chunks and ``nonapprox_decode_step`` continue one another. Both forms
+    are differentiable through the states (the kernel too: gradients of the starting state's
+    tensors, and from the returned ones): context parallelism's state passing uses it."""
     check_qkv("nonapprox_prefill", q, k, v)
     kernel = _kernel()
     if choose_impl("nonapprox_prefill", impl, (q, k, v), kernel) == "kernel":

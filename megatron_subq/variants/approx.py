@@ -16,8 +16,7 @@ import torch
 
 from ..attention import SubqCoreAttention, copy_state_
 from ..ops import approx_attention, approx_decode_step, approx_empty_state, approx_prefill
-from ..ops.approx import (ApproxState, _phi2, _prescale, accumulation_dtype,
-                          approx_attention_chunked)
+from ..ops.approx import ApproxState, _phi2, _prescale, accumulation_dtype
 from .base import Variant
 from .standard import self_attention_spec
 
@@ -57,11 +56,13 @@ class ApproxCoreAttention(SubqCoreAttention):
                 torch.einsum("bthd,bthe->bhde", k2, vf), count)
 
     def attend_from_state(self, q, k, v, state):
-        """The chunk continuing from the earlier tokens' summed state: the chunked PyTorch form
-        (``ops.approx_attention_chunked``; the kernel returns no gradient for a starting
-        state), whose mean term counts from ``state``'s token count."""
+        """The chunk continuing from the earlier tokens' summed state: ``ops.approx_prefill``
+        with ``subq_impl`` (the kernel where ``attend`` takes it — it returns the starting
+        state's gradient — else the chunked PyTorch form), whose mean term counts from
+        ``state``'s token count."""
         *sums, count = state
-        return approx_attention_chunked(q, k, v, state=ApproxState(*sums, length=count))[0]
+        return approx_prefill(q, k, v, state=ApproxState(*sums, length=count),
+                              impl=self.config.subq_impl)[0]
 
 
 def attention_spec(config, layer_number: int, provider):

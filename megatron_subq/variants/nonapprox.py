@@ -23,8 +23,7 @@ from ..attention import SubqCoreAttention, copy_state_
 from ..ops import (nonapprox_attention, nonapprox_decode_step, nonapprox_empty_state,
                    nonapprox_prefill)
 from ..ops.dispatch import repeat_kv
-from ..ops.nonapprox import (NonapproxState, accumulation_dtype, nonapprox_attention_chunked,
-                             token_scores)
+from ..ops.nonapprox import NonapproxState, accumulation_dtype, token_scores
 from .base import Variant
 from .standard import SubqSelfAttention, self_attention_spec
 
@@ -80,10 +79,11 @@ class NonapproxCoreAttention(SubqCoreAttention):
         return tuple(torch.stack(acc) for acc in before)
 
     def attend_from_state(self, q, k, v, state):
-        """The chunk continuing the earlier tokens' running softmax: the chunked PyTorch form
-        (``ops.nonapprox_attention_chunked``; the kernel returns no gradient for a starting
-        state)."""
-        return nonapprox_attention_chunked(q, k, v, state=NonapproxState(*state))[0]
+        """The chunk continuing the earlier tokens' running softmax: ``ops.nonapprox_prefill``
+        with ``subq_impl`` (the kernel where ``attend`` takes it — it returns the starting
+        state's gradient — else the chunked PyTorch form)."""
+        return nonapprox_prefill(q, k, v, state=NonapproxState(*state),
+                                 impl=self.config.subq_impl)[0]
 
 
 class NoRopeSelfAttention(SubqSelfAttention):
