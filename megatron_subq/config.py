@@ -56,6 +56,12 @@ class SubqTransformerConfig(TransformerConfig):
     """Force the ops' implementation: 'reference' (PyTorch), 'kernel' (Triton) or None (kernel
     on CUDA where one exists, else reference)."""
 
+    subq_fused_norm: bool = False
+    """RMSNorm as one Triton kernel per direction (``norm.FusedLocalNorm``, kernels/fused/) in
+    place of the local spec's torch norm, in every norm slot of the GPT and hybrid hosts (layer,
+    final, q/k norms): the same parameters and math. RMSNorm only; not with the Transformer
+    Engine spec (its norm is fused already)."""
+
     skip_variant_layers: bool = False
     """Evaluation-time ablation (deconstructing-attention paper): non-standard layers pass their
     input through unchanged. Not a training mode."""
@@ -169,6 +175,9 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("attention_variant", self.attention_variant, f"one of {names}")
         if self.subq_impl is not None and self.subq_impl not in SUBQ_IMPLS:
             _fail("subq_impl", self.subq_impl, f"one of {SUBQ_IMPLS} or None")
+        if self.subq_fused_norm and self.normalization != "RMSNorm":
+            _fail("subq_fused_norm", True, "False with normalization="
+                  f"{self.normalization!r} (the fused norm is RMSNorm only)")
         if self.mamba_impl is not None and self.mamba_impl not in MAMBA_IMPLS:
             _fail("mamba_impl", self.mamba_impl, f"one of {MAMBA_IMPLS} or None")
         pattern = self.hybrid_override_pattern

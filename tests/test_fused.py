@@ -1,0 +1,235 @@
+"""Issue 21's fused local path: the Triton RMSNorm against the unfused norm (forward, input and
+weight gradients), the fusion flags reaching the config and the modules of both hosts, a tiny
+GPT trained with every fusion on against off, and the refusals naming their flag.
+
+On the CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1),
+in fp32 and fp16 (the interpreter mis-computes bf16 dots); the bf16 cases at the 1.3B model's
+shapes are GPU tests.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_subq import SubqTransformerConfig  # noqa: E402
+from megatron_subq.kernels.fused import rms_norm_reference  # noqa: E402
+from megatron_subq.norm import FusedLocalNorm, LocalNorm  # noqa: E402
+from megatron_subq.testing.kernels import rel_rms  # noqa: E402
+from megatron_subq.training import arguments  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}  # relative RMS
+
+MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+       "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
+       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+       "--eval-iters", "0", "--eval-interval", "100"]
+FUSIONS = ["--subq-fused-norm", "--bias-swiglu-fusion", "--bias-dropout-fusion",
+           "--cross-entropy-loss-fusion"]
+
+
+def _config(**kw):
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+    base.update(kw)
+    return SubqTransformerConfig(**base)
+
+
+def _compare_norm(shape, dtype, zero_centered=False, device=DEVICE, seed=0):
+    """FusedLocalNorm against LocalNorm (the unfused local norm) with the same weight: output,
+    input gradient and weight gradient."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = shape[-1]
+    cfg = _config(layernorm_zero_centered_gamma=zero_centered, params_dtype=dtype)
+    ref, fused = LocalNorm(cfg, hidden), FusedLocalNorm(cfg, hidden)
+    u = torch.rand(hidden, generator=g)
+    weight = u * 0.3 - 0.15 if zero_centered else u * 0.5 + 0.75  # the stored parameter
+    for m in (ref, fused):
+        m.to(device)
+        with torch.no_grad():
+            m.weight.copy_(weight.to(dtype))
+    x = (torch.randn(shape, generator=g) * 2.0 + 0.5).to(device=device, dtype=dtype)
+    dy = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    out = {}
+    for name, m in (("ref", ref), ("fused", fused)):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        (gx, gw) = torch.autograd.grad(y, (xi, m.weight), dy)
+        out[name] = (y, gx, gw)
+    for what, a, b in zip(("y", "dx", "dweight"), out["fused"], out["ref"]):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        err = rel_rms(a.float(), b.float())
+        assert err <= TOL[dtype], f"{what}: relative RMS {err:.2e} > {TOL[dtype]:.0e}"
+    return out
+
+
+@pytest.mark.parametrize("shape,zero_centered", [
+    ((37, 2688), False),          # ragged rows, the hidden size of a 2688-wide model
+    ((5, 3, 100), True),          # [s, b, h], zero-centred gamma, hidden not a power of two
+    ((1, 1, 64), False),          # one row
+    ((13, 2, 129), False),        # more rows than the interpreter's 4 weight-gradient programs
+])
+def test_fused_rmsnorm_matches_local_norm_fp32(shape, zero_centered):
+    _compare_norm(shape, torch.float32, zero_centered)
+
+
+def test_fused_rmsnorm_fp16():
+    _compare_norm((9, 2, 320), torch.float16)
+
+
+def test_fused_rmsnorm_against_its_reference_and_edge_inputs():
+    from megatron_subq.kernels.fused import rms_norm_kernel
+
+    x = torch.randn(6, 4, 48, device=DEVICE).transpose(0, 1)  # not contiguous
+    w = torch.rand(48, device=DEVICE) + 0.5
+    y = rms_norm_kernel(x, w, 1e-6)
+    assert rel_rms(y, rms_norm_reference(x, w, 1e-6)) <= 1e-6
+    empty = torch.zeros(0, 48, device=DEVICE, requires_grad=True)
+    wg = w.clone().requires_grad_()
+    rms_norm_kernel(empty, wg, 1e-5).sum().backward()
+    assert empty.grad.shape == (0, 48) and torch.count_nonzero(wg.grad) == 0
+    with pytest.raises(ValueError, match="weight of shape"):
+        rms_norm_kernel(x, w[:10], 1e-5)
+
+
+def test_fused_norm_refuses_layernorm():
+    with pytest.raises(ValueError, match="subq_fused_norm"):
+        _config(normalization="LayerNorm", subq_fused_norm=True)
+
+
+# ---- the flags reach the config and the modules -------------------------------------------
+def _in_process_group(fn):
+    """Run ``fn()`` with a one-process gloo group and megatron's parallel state (then tear down)."""
+    from megatron.core import parallel_state
+
+    from megatron_subq.distributed import free_port
+    from megatron_subq.testing.distributed import init_parallel
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        init_parallel()
+        return fn()
+    finally:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _norm_types(model):
+    return {type(m) for m in model.modules() if isinstance(m, LocalNorm)}
+
+
+def test_flags_reach_config_and_both_hosts():
+    from megatron_subq import build_gpt_model
+    from megatron_subq.hybrid import build_hybrid_model
+    from megatron_subq.testing.hybrid import hybrid_test_config
+    from megatron_subq.training.trainer import build_config
+
+    args = arguments.parse_args(MIN + FUSIONS + ["--qk-layernorm"], world_size=1)
+    config = build_config(args)
+    assert (config.subq_fused_norm, config.bias_activation_fusion, config.bias_dropout_fusion,
+            config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl) == (
+        True, True, True, True, "native")
+    off = build_config(arguments.parse_args(MIN, world_size=1))  # the defaults are unchanged
+    assert not (off.subq_fused_norm or off.bias_activation_fusion or off.bias_dropout_fusion
+                or off.cross_entropy_loss_fusion or off.apply_rope_fusion)
+
+    def build():
+        gpt = build_gpt_model(config, vocab_size=128, max_sequence_length=32, use_te=False)
+        plain = build_gpt_model(off, vocab_size=128, max_sequence_length=32, use_te=False)
+        hybrid = build_hybrid_model(hybrid_test_config(subq_fused_norm=True), vocab_size=128,
+                                    max_sequence_length=32, use_te=False)
+        layer = gpt.decoder.layers[0]
+        return (_norm_types(gpt), _norm_types(plain), _norm_types(hybrid),
+                type(layer.self_attention.q_layernorm), type(gpt.decoder.final_layernorm),
+                type(hybrid.decoder.final_norm), sorted(gpt.state_dict()) ==
+                sorted(k for k in build_gpt_model(
+                    build_config(arguments.parse_args(MIN + ["--qk-layernorm"], world_size=1)),
+                    vocab_size=128, max_sequence_length=32, use_te=False).state_dict()))
+
+    gpt, plain, hybrid, qk, final, hybrid_final, same_keys = _in_process_group(build)
+    assert gpt == {FusedLocalNorm} and hybrid == {FusedLocalNorm} and plain == {LocalNorm}
+    assert qk is FusedLocalNorm and final is FusedLocalNorm and hybrid_final is FusedLocalNorm
+    assert same_keys  # the same checkpoint keys with and without the fused norm
+
+
+def test_every_fusion_trains_like_the_unfused_path():
+    """3 iterations of a tiny GPT (fp32) with the fused norm, megatron's SwiGLU, bias-dropout-add
+    and cross-entropy fusions on, against all off: the same losses to fp32 rounding (Adam
+    carries the rounding differences of the first step into the later ones)."""
+    from megatron_subq.training import pretrain
+
+    off = pretrain(MIN)["iterations"]
+    on = pretrain(MIN + FUSIONS)["iterations"]
+    assert sorted(on) == sorted(off) == [1, 2, 3]
+    assert on[1] == pytest.approx(off[1], rel=1e-6)
+    for it in (2, 3):
+        assert on[it] == pytest.approx(off[it], rel=2e-5), (it, on, off)
+
+
+def _error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        arguments.parse_args(argv, world_size=1)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--bias-swiglu-fusion", "--no-swiglu"], "--bias-swiglu-fusion"),
+    (["--bias-swiglu-fusion", "--squared-relu"], "--bias-swiglu-fusion"),
+    (["--apply-rope-fusion"], "--apply-rope-fusion"),
+    (["--masked-softmax-fusion"], "--masked-softmax-fusion"),
+    (["--persist-layer-norm"], "--persist-layer-norm"),
+    (["--gradient-accumulation-fusion"], "--gradient-accumulation-fusion"),
+    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+     "--cross-entropy-fusion-impl"),
+])
+def test_bad_fusion_flags_name_the_flag(extra, flag, capsys):
+    if (flag in ("--apply-rope-fusion", "--cross-entropy-fusion-impl")
+            and arguments._importable("transformer_engine") and torch.cuda.is_available()):
+        pytest.skip("Transformer Engine is present: the flag is allowed")
+    err = _error(MIN + extra, capsys)
+    assert flag in err
+
+
+def test_fused_norm_with_layernorm_names_its_flag(capsys):
+    from megatron_subq.training.trainer import build_config
+
+    args = arguments.parse_args(MIN + ["--subq-fused-norm", "--normalization", "LayerNorm"],
+                                world_size=1)
+    with pytest.raises(SystemExit):
+        build_config(args)
+    assert "--subq-fused-norm" in capsys.readouterr().err
+
+
+# ---- GPU: bf16 at real shapes -----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [2048, 2688])
+def test_fused_rmsnorm_bf16_real_shapes_gpu(hidden):
+    """The 1.3B model's activations: 8 x 2048 tokens x hidden, bf16."""
+    _compare_norm((2048, 8, hidden), torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_fused_rmsnorm_bf16_zero_centered_gpu():
+    _compare_norm((4096, 2, 2048), torch.bfloat16, zero_centered=True, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden,dtype", [(8192, torch.bfloat16), (5120, torch.float16),
+                                          (4096, torch.float32)])
+def test_fused_rmsnorm_wide_gpu(hidden, dtype):
+    _compare_norm((1023, 4, hidden), dtype, device="cuda")
+
+
+@pytest.mark.slow
+def test_fused_rmsnorm_more_shapes_cpu():
+    for shape in ((3, 7, 1000), (64, 96), (2, 2, 2, 33)):
+        _compare_norm(shape, torch.float32, zero_centered=True)
