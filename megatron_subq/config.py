@@ -62,6 +62,12 @@ class SubqTransformerConfig(TransformerConfig):
     final, q/k norms): the same parameters and math. RMSNorm only; not with the Transformer
     Engine spec (its norm is fused already)."""
 
+    subq_fused_rope: bool = False
+    """RoPE as one Triton kernel per direction (kernels/fused/rope.py): sets megatron's
+    ``apply_rope_fusion`` and gives its fused-RoPE hook this package's kernel where Transformer
+    Engine's is missing (``megatron_subq.rope``); the same math, computed in fp32. Not with
+    ``rotary_interleaved`` or multi-latent attention."""
+
     skip_variant_layers: bool = False
     """Evaluation-time ablation (deconstructing-attention paper): non-standard layers pass their
     input through unchanged. Not a training mode."""
@@ -139,6 +145,14 @@ class SubqTransformerConfig(TransformerConfig):
 
     def __post_init__(self):
         self._validate_variant_knobs()
+        if self.subq_fused_rope:
+            if self.rotary_interleaved or self.multi_latent_attention:
+                _fail("subq_fused_rope", True, "False with rotary_interleaved or "
+                      "multi_latent_attention (the fused RoPE is megatron's rotate-half form)")
+            from .rope import install_fused_rope  # noqa: PLC0415
+
+            install_fused_rope()
+            self.apply_rope_fusion = True
         super().__post_init__()
         self._resolve_layers()
         self._validate_cross_field()

@@ -30,7 +30,7 @@ MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
        "--eval-iters", "0", "--eval-interval", "100"]
-FUSIONS = ["--subq-fused-norm", "--bias-swiglu-fusion", "--bias-dropout-fusion",
+FUSIONS = ["--subq-fused-rope", "--subq-fused-norm", "--bias-swiglu-fusion", "--bias-dropout-fusion",
            "--cross-entropy-loss-fusion"]
 
 
@@ -97,6 +97,76 @@ def test_fused_rmsnorm_against_its_reference_and_edge_inputs():
         rms_norm_kernel(x, w[:10], 1e-5)
 
 
+# ---- RoPE --------------------------------------------------------------------------------
+def _freqs(seq, rot, base=10000.0, offset=0):
+    """megatron's RotaryEmbedding freqs: ``cat(f, f)`` of shape ``[seq, 1, 1, rot]``, fp32."""
+    inv = 1.0 / base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    f = torch.outer(torch.arange(offset, offset + seq, dtype=torch.float32), inv)
+    return torch.cat((f, f), dim=-1)[:, None, None, :].to(DEVICE)
+
+
+def _compare_rope(S, B, H, D, rot, dtype, device=DEVICE, seed=0):
+    """The fused RoPE against megatron's unfused ``_apply_rotary_pos_emb_bshd``, on a strided
+    view into a fused QKV tensor as megatron's attention passes it: output and input gradient."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from megatron_subq.rope import fused_rope_bshd
+
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(S, B, H, 3 * D, generator=g).to(device=device, dtype=dtype)
+    freqs = _freqs(S, rot).to(device)
+    dy = torch.randn(S, B, H, D, generator=g).to(device=device, dtype=dtype)
+    outs = []
+    for fn in (fused_rope_bshd, _apply_rotary_pos_emb_bshd):
+        base = qkv.clone().requires_grad_()
+        x = base[..., D:2 * D]  # not contiguous
+        y = fn(x, freqs)
+        (gx,) = torch.autograd.grad(y, base, dy)
+        outs.append((y, gx))
+    for what, a, b in zip(("y", "dx"), *outs):
+        assert a.dtype == b.dtype and a.shape == b.shape, what
+        err = rel_rms(a.float(), b.float())
+        assert err <= TOL[dtype], f"{what}: relative RMS {err:.2e} > {TOL[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("S,B,H,D,rot", [
+    (7, 2, 3, 24, 24),   # ragged heads and sizes
+    (5, 1, 4, 40, 20),   # partial rotary: the last 20 features pass through
+    (3, 3, 1, 128, 128),
+])
+def test_fused_rope_matches_megatron_unfused_fp32(S, B, H, D, rot):
+    _compare_rope(S, B, H, D, rot, torch.float32)
+
+
+def test_fused_rope_fp16():
+    _compare_rope(6, 2, 5, 64, 64, torch.float16)
+
+
+def test_fused_rope_packed_sequences_match_megatron_thd():
+    """Packed documents (THD): megatron's per-document positions, one kernel call."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
+
+    from megatron_subq.rope import fused_rope_thd
+
+    class _Group:  # a context-parallel group of one
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32, device=DEVICE)
+    t = torch.randn(13, 3, 16, device=DEVICE)
+    for freqs in (_freqs(8, 16), _freqs(13, 16)):  # max length, and one row per packed token
+        ref = _apply_rotary_pos_emb_thd(t, cu, freqs, cp_group=_Group())
+        assert rel_rms(fused_rope_thd(t, cu, freqs), ref) <= 1e-6
+
+
+def test_fused_rope_refuses_interleaved():
+    with pytest.raises(ValueError, match="subq_fused_rope"):
+        _config(subq_fused_rope=True, rotary_interleaved=True)
+
+
 def test_fused_norm_refuses_layernorm():
     with pytest.raises(ValueError, match="subq_fused_norm"):
         _config(normalization="LayerNorm", subq_fused_norm=True)
@@ -134,8 +204,9 @@ def test_flags_reach_config_and_both_hosts():
     args = arguments.parse_args(MIN + FUSIONS + ["--qk-layernorm"], world_size=1)
     config = build_config(args)
     assert (config.subq_fused_norm, config.bias_activation_fusion, config.bias_dropout_fusion,
-            config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl) == (
-        True, True, True, True, "native")
+            config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl,
+            config.subq_fused_rope, config.apply_rope_fusion) == (
+        True, True, True, True, "native", True, True)
     off = build_config(arguments.parse_args(MIN, world_size=1))  # the defaults are unchanged
     assert not (off.subq_fused_norm or off.bias_activation_fusion or off.bias_dropout_fusion
                 or off.cross_entropy_loss_fusion or off.apply_rope_fusion)
@@ -157,6 +228,41 @@ def test_flags_reach_config_and_both_hosts():
     assert gpt == {FusedLocalNorm} and hybrid == {FusedLocalNorm} and plain == {LocalNorm}
     assert qk is FusedLocalNorm and final is FusedLocalNorm and hybrid_final is FusedLocalNorm
     assert same_keys  # the same checkpoint keys with and without the fused norm
+
+
+def test_fused_rope_runs_in_the_model(monkeypatch):
+    """A GPT built with subq_fused_rope sends its queries and keys through the fused RoPE (the
+    hook megatron's apply_rope_fusion calls) and gives the unfused model's logits."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_subq import build_gpt_model
+    from megatron_subq.rope import fused_rope_bshd
+
+    calls = []
+    config = _config(subq_fused_rope=True, num_query_groups=2)
+    spied = rope_utils.fused_apply_rotary_pos_emb is fused_rope_bshd  # not TE's
+    if spied:
+        def spy(t, freqs, interleaved=False):
+            calls.append(tuple(t.shape))
+            return fused_rope_bshd(t, freqs, interleaved)
+
+        monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", spy)
+    tokens = torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+
+    def logits():
+        out = []
+        for cfg in (config, _config(num_query_groups=2)):
+            torch.manual_seed(0)
+            model = build_gpt_model(cfg, vocab_size=128, max_sequence_length=16, use_te=False)
+            out.append(model(tokens, positions, None).detach())
+        return out
+
+    fused, plain = _in_process_group(logits)
+    assert config.apply_rope_fusion
+    if spied:
+        assert len(calls) == 4, calls  # 2 layers x (query, key)
+    assert rel_rms(fused, plain) <= 1e-6
 
 
 def test_every_fusion_trains_like_the_unfused_path():

@@ -21,3 +21,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
         w = w + 1.0
     y = F.rms_norm(x.to(dtype), (x.shape[-1],), w, eps)
     return y.to(x.dtype)
+
+
+def rope_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """megatron's unfused non-interleaved RoPE (``_apply_rotary_pos_emb_bshd``, mscale 1):
+    ``x * cos(f) + rotate_half(x) * sin(f)`` on the first ``r = freqs.shape[-1]`` features,
+    the rest passed through; cos/sin cast to x's dtype."""
+    rot = freqs.shape[-1]
+    t, t_pass = x[..., :rot], x[..., rot:]
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    t = t * torch.cos(freqs).to(x.dtype) + rotated * torch.sin(freqs).to(x.dtype)
+    return torch.cat((t, t_pass), dim=-1)

@@ -861,7 +861,8 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-fusion-impl", default="native", choices=("native", "te"),
                    help="native: megatron-core's; te: Transformer Engine's (needs TE)")
     _bool_flag(g, "--apply-rope-fusion", False,
-               "megatron-core's fused RoPE: Transformer Engine's kernel (refused without TE)")
+               "megatron-core's fused RoPE: Transformer Engine's kernel (refused without TE; "
+               "see --subq-fused-rope)")
     _bool_flag(g, "--masked-softmax-fusion", False,
                "megatron's fused scale-mask-softmax (refused: Megatron-LM's compiled CUDA "
                "extension, and the local core attention is torch SDPA, fused already)")
@@ -896,7 +897,8 @@ def check_fusions(parser, args) -> None:
     if args.apply_rope_fusion and not have_te:
         parser.error("--apply-rope-fusion: megatron-core's fused RoPE is Transformer Engine's "
                      "(fused_apply_rotary_pos_emb), which is not importable here (or no CUDA); "
-                     "allowed: --no-apply-rope-fusion")
+                     "allowed: --no-apply-rope-fusion, or --subq-fused-rope (the same fusion on "
+                     "this package's Triton kernel)")
     if args.masked_softmax_fusion:
         parser.error("--masked-softmax-fusion: megatron's FusedScaleMaskSoftmax needs Megatron-"
                      "LM's compiled scaled_masked_softmax_cuda extension, and the local core "
