@@ -339,3 +339,23 @@ def test_fused_rmsnorm_wide_gpu(hidden, dtype):
 def test_fused_rmsnorm_more_shapes_cpu():
     for shape in ((3, 7, 1000), (64, 96), (2, 2, 2, 33)):
         _compare_norm(shape, torch.float32, zero_centered=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 8])
+def test_fused_rope_bf16_real_shapes_gpu(heads):
+    """The 1.3B model's queries (16 heads) and grouped keys (8): 2048 tokens x 8 rows x d 128."""
+    _compare_rope(2048, 8, heads, 128, 128, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_fusions_train_like_the_unfused_path_gpu():
+    """bf16 on the GPU: every fusion on against off, 3 iterations of a small GPT."""
+    from megatron_subq.training import pretrain
+
+    flags = MIN + ["--bf16", "--hidden-size", "256", "--num-attention-heads", "8",
+                   "--seq-length", "128"]
+    off = pretrain(flags)["iterations"]
+    on = pretrain(flags + FUSIONS)["iterations"]
+    for it in (1, 2, 3):
+        assert on[it] == pytest.approx(off[it], rel=2e-2), (it, on, off)
