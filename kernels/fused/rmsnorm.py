@@ -22,6 +22,7 @@ device (``BWD_PROGRAMS_PER_SM`` x SMs), each looping over its rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -41,12 +42,17 @@ class RMSNormLaunchConfig:
     bwd_programs: int  # backward programs (each sums the weight gradient of its rows)
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def rmsnorm_launch_config(n_rows: int, n_cols: int, device: torch.device) -> RMSNormLaunchConfig:
     block_n = triton.next_power_of_2(n_cols)
     num_warps = 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = BWD_PROGRAMS_PER_SM * sms
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        programs = BWD_PROGRAMS_PER_SM * _multiprocessors(index)
     else:  # the interpreter: a few programs still exercise the partial-sum path
         programs = 4
     return RMSNormLaunchConfig(block_n=block_n, num_warps=num_warps,
