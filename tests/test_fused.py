@@ -30,8 +30,9 @@ MIN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
        "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3",
        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
        "--eval-iters", "0", "--eval-interval", "100"]
-FUSIONS = ["--subq-fused-rope", "--subq-fused-norm", "--bias-swiglu-fusion", "--bias-dropout-fusion",
-           "--cross-entropy-loss-fusion"]
+# every fusion that keeps fp32 math exact (--cross-entropy-loss-fusion needs --bf16: below)
+FUSIONS = ["--subq-fused-rope", "--subq-fused-norm", "--bias-swiglu-fusion",
+           "--bias-dropout-fusion"]
 
 
 def _config(**kw):
@@ -201,7 +202,8 @@ def test_flags_reach_config_and_both_hosts():
     from megatron_subq.testing.hybrid import hybrid_test_config
     from megatron_subq.training.trainer import build_config
 
-    args = arguments.parse_args(MIN + FUSIONS + ["--qk-layernorm"], world_size=1)
+    args = arguments.parse_args(MIN + FUSIONS + ["--qk-layernorm", "--bf16",
+                                                 "--cross-entropy-loss-fusion"], world_size=1)
     config = build_config(args)
     assert (config.subq_fused_norm, config.bias_activation_fusion, config.bias_dropout_fusion,
             config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl,
@@ -279,6 +281,53 @@ def test_every_fusion_trains_like_the_unfused_path():
         assert on[it] == pytest.approx(off[it], rel=2e-5), (it, on, off)
 
 
+def test_fused_cross_entropy_is_exact_in_bf16_and_runs_in_the_model(monkeypatch):
+    """megatron-core's fused cross-entropy against its unfused one on bf16 logits (the only
+    dtype the trainer allows it with: its backward rounds the gradient to bf16): the same loss
+    and gradient; and a model built with the flag's config field computes its loss through it."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    from megatron.core.models.common.language_module import language_module
+
+    from megatron_subq import build_gpt_model
+
+    calls = []
+
+    def spy(logits, labels, group):
+        calls.append(tuple(logits.shape))
+        return fused_vocab_parallel_cross_entropy(logits, labels, group)
+
+    monkeypatch.setattr(language_module, "fused_vocab_parallel_cross_entropy", spy)
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(16, 2, 128, generator=g) * 3).to(torch.bfloat16)
+    target = torch.randint(0, 128, (16, 2), generator=g)
+    tokens, labels = torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16))
+    positions = torch.arange(16).expand(2, 16)
+
+    def run():
+        out = []
+        for fn in (tensor_parallel.vocab_parallel_cross_entropy,
+                   lambda x, t: fused_vocab_parallel_cross_entropy(
+                       x, t, parallel_state.get_tensor_model_parallel_group())):
+            x = logits.clone().requires_grad_()
+            loss = fn(x, target)
+            out.append((loss.detach(), torch.autograd.grad(loss.sum(), x)[0]))
+        losses = []
+        for fused in (False, True):
+            torch.manual_seed(0)
+            model = build_gpt_model(_config(cross_entropy_loss_fusion=fused), vocab_size=128,
+                                    max_sequence_length=16, use_te=False)
+            losses.append(model(tokens, positions, None, labels=labels).detach())
+        return out, losses
+
+    (plain, fused), (loss_off, loss_on) = _in_process_group(run)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused[1], plain[1], rtol=0, atol=0)
+    assert fused[1].dtype == torch.bfloat16
+    assert calls == [(16, 2, 128)]  # the model's loss went through it (its forward with labels)
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
+
+
 def _error(argv, capsys):
     with pytest.raises(SystemExit) as e:
         arguments.parse_args(argv, world_size=1)
@@ -293,8 +342,9 @@ def _error(argv, capsys):
     (["--masked-softmax-fusion"], "--masked-softmax-fusion"),
     (["--persist-layer-norm"], "--persist-layer-norm"),
     (["--gradient-accumulation-fusion"], "--gradient-accumulation-fusion"),
-    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+    (["--cross-entropy-loss-fusion", "--bf16", "--cross-entropy-fusion-impl", "te"],
      "--cross-entropy-fusion-impl"),
+    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion"),  # fp32: needs --bf16
 ])
 def test_bad_fusion_flags_name_the_flag(extra, flag, capsys):
     if (flag in ("--apply-rope-fusion", "--cross-entropy-fusion-impl")
@@ -356,6 +406,34 @@ def test_fusions_train_like_the_unfused_path_gpu():
     flags = MIN + ["--bf16", "--hidden-size", "256", "--num-attention-heads", "8",
                    "--seq-length", "128"]
     off = pretrain(flags)["iterations"]
-    on = pretrain(flags + FUSIONS)["iterations"]
+    on = pretrain(flags + FUSIONS + ["--cross-entropy-loss-fusion"])["iterations"]
     for it in (1, 2, 3):
         assert on[it] == pytest.approx(off[it], rel=2e-2), (it, on, off)
+
+
+def _fused_tp2_sp_against_tp1():
+    """Inside 2 ranks: one step of the unfused TP=1 model, then of the fused model at TP=2 + SP
+    (norm weights' partial gradients summed over TP, the fused cross-entropy's all-reduce)."""
+    from megatron_subq.testing.distributed import reinit_parallel
+    from megatron_subq.testing.equivalence import tiny_gpt_step
+
+    fused = dict(subq_fused_norm=True, subq_fused_rope=True, bias_activation_fusion=True,
+                 bias_dropout_fusion=True, qk_layernorm=True)
+    reinit_parallel(tp=1)
+    ref = tiny_gpt_step({"qk_layernorm": True})
+    reinit_parallel(tp=2)
+    out = tiny_gpt_step({**fused, "sequence_parallel": True})
+    return ref, out
+
+
+@pytest.mark.slow
+def test_fused_tp2_sp_matches_unfused_tp1():
+    from megatron_subq.testing import run_distributed
+
+    close = dict(rtol=1e-4, atol=1e-5)  # tests/test_parallel_equivalence.py's TP=2 bounds
+    for ref, out in run_distributed(_fused_tp2_sp_against_tp1, 2, tp=1):
+        torch.testing.assert_close(out["loss"], ref["loss"], **close)
+        torch.testing.assert_close(out["logits"], ref["logits"], **close)
+        assert sorted(out["grads"]) == sorted(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], g, **close, msg=name)

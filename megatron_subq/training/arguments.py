@@ -891,6 +891,14 @@ def check_fusions(parser, args) -> None:
         parser.error("--bias-swiglu-fusion fuses the gated SiLU (SwiGLU) MLP: it needs --swiglu "
                      "(not --no-swiglu, --silu or --squared-relu); allowed: "
                      "--no-bias-swiglu-fusion")
+    if (args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "native"
+            and not args.bf16):
+        # megatron-core 0.16.1 fused_cross_entropy.calculate_gradients ends in
+        # grad_input.to(torch.bfloat16): exact under --bf16 (the logits are bf16 there, so the
+        # unfused gradient is rounded to bf16 too), a rounding of the gradient otherwise
+        parser.error("--cross-entropy-loss-fusion (native) rounds the logits' gradient to bf16 "
+                     "(megatron-core's fused_cross_entropy.py), which changes fp32 and fp16 "
+                     "training; allowed: with --bf16, or --no-cross-entropy-loss-fusion")
     if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not have_te:
         parser.error("--cross-entropy-fusion-impl te needs Transformer Engine (not importable "
                      "here, or no CUDA); allowed: --cross-entropy-fusion-impl native")
