@@ -56,6 +56,18 @@ class SubqTransformerConfig(TransformerConfig):
     """Force the ops' implementation: 'reference' (PyTorch), 'kernel' (Triton) or None (kernel
     on CUDA where one exists, else reference)."""
 
+    subq_fused_norm: bool = False
+    """RMSNorm as one Triton kernel per direction (``norm.FusedLocalNorm``, kernels/fused/) in
+    place of the local spec's torch norm, in every norm slot of the GPT and hybrid hosts (layer,
+    final, q/k norms): the same parameters and math. RMSNorm only; not with the Transformer
+    Engine spec (its norm is fused already)."""
+
+    subq_fused_rope: bool = False
+    """RoPE as one Triton kernel per direction (kernels/fused/rope.py): sets megatron's
+    ``apply_rope_fusion`` and gives its fused-RoPE hook this package's kernel where Transformer
+    Engine's is missing (``megatron_subq.rope``); the same math, computed in fp32. Not with
+    ``rotary_interleaved`` or multi-latent attention."""
+
     skip_variant_layers: bool = False
     """Evaluation-time ablation (deconstructing-attention paper): non-standard layers pass their
     input through unchanged. Not a training mode."""
@@ -133,6 +145,14 @@ class SubqTransformerConfig(TransformerConfig):
 
     def __post_init__(self):
         self._validate_variant_knobs()
+        if self.subq_fused_rope:
+            if self.rotary_interleaved or self.multi_latent_attention:
+                _fail("subq_fused_rope", True, "False with rotary_interleaved or "
+                      "multi_latent_attention (the fused RoPE is megatron's rotate-half form)")
+            from .rope import install_fused_rope  # noqa: PLC0415
+
+            install_fused_rope()
+            self.apply_rope_fusion = True
         super().__post_init__()
         self._resolve_layers()
         self._validate_cross_field()
@@ -169,6 +189,9 @@ class SubqTransformerConfig(TransformerConfig):
             _fail("attention_variant", self.attention_variant, f"one of {names}")
         if self.subq_impl is not None and self.subq_impl not in SUBQ_IMPLS:
             _fail("subq_impl", self.subq_impl, f"one of {SUBQ_IMPLS} or None")
+        if self.subq_fused_norm and self.normalization != "RMSNorm":
+            _fail("subq_fused_norm", True, "False with normalization="
+                  f"{self.normalization!r} (the fused norm is RMSNorm only)")
         if self.mamba_impl is not None and self.mamba_impl not in MAMBA_IMPLS:
             _fail("mamba_impl", self.mamba_impl, f"one of {MAMBA_IMPLS} or None")
         pattern = self.hybrid_override_pattern

@@ -46,3 +46,30 @@ class LocalNorm(torch.nn.Module):
         else:
             y = F.layer_norm(xf, (self.hidden_size,), w.to(dtype), self.bias.to(dtype), self.eps)
         return y.to(x.dtype)
+
+
+class FusedLocalNorm(LocalNorm):
+    """``LocalNorm``'s RMSNorm in one Triton kernel per direction (``kernels/fused/rmsnorm.py``):
+    the same parameter, checkpoint keys and math (``rms_norm_reference``), chosen by
+    ``config.subq_fused_norm`` (``--subq-fused-norm``) through ``slots.get_spec_provider``.
+
+    The kernel runs on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU ones (tests);
+    other CPU tensors take ``LocalNorm``'s torch path. With zero-centred gamma the ``+ 1`` is
+    added in fp32 inside the kernel (``LocalNorm`` adds it in the weight's dtype first: equal
+    in fp32, slightly more exact in bf16)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"subq_fused_norm=True is invalid with normalization="
+                             f"{config.normalization!r}: the fused norm is RMSNorm only; allowed: "
+                             "normalization='RMSNorm' or subq_fused_norm=False")
+        super().__init__(config, hidden_size, eps, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels.checks import triton_interpreting  # noqa: PLC0415
+
+        if not (x.is_cuda or triton_interpreting()):
+            return super().forward(x)
+        from .kernels.fused import rms_norm_kernel  # noqa: PLC0415 (Triton loads on first use)
+
+        return rms_norm_kernel(x, self.weight, self.eps, self.zero_centered_gamma)

@@ -23,7 +23,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SubqTransformerConfig
-from .norm import LocalNorm
+from .norm import FusedLocalNorm, LocalNorm
 from .variants import VARIANTS
 from .variants.standard import SDPACoreAttention
 
@@ -40,13 +40,18 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 class SubqLocalSpecProvider(LocalSpecProvider):
     """megatron-core's local modules (column/row-parallel linears, MoE experts), with two of
-    this package's own where megatron's local ones do not serve (docs/architecture.md)."""
+    this package's own where megatron's local ones do not serve (docs/architecture.md).
+    ``fused_norm``: its norm is ``FusedLocalNorm`` (the Triton RMSNorm, ``--subq-fused-norm``)."""
+
+    def __init__(self, fused_norm: bool = False):
+        super().__init__()
+        self.fused_norm = bool(fused_norm)
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
         """``LocalNorm``: RMSNorm or LayerNorm per ``config.normalization`` (``rms_norm`` is
         not read); megatron's local ``WrappedTorchNorm`` runs on the CPU but refuses sequence
-        parallelism and zero-centred gamma."""
-        return LocalNorm
+        parallelism and zero-centred gamma. ``FusedLocalNorm`` with ``fused_norm``."""
+        return FusedLocalNorm if self.fused_norm else LocalNorm
 
     def core_attention(self) -> type:
         """``SDPACoreAttention``: torch SDPA, on the CPU too; megatron's local
@@ -54,17 +59,22 @@ class SubqLocalSpecProvider(LocalSpecProvider):
         return SDPACoreAttention
 
 
-def get_spec_provider(use_te: Optional[bool] = None) -> BackendSpecProvider:
+def get_spec_provider(use_te: Optional[bool] = None, config=None) -> BackendSpecProvider:
     """megatron's ``TESpecProvider`` when ``use_te`` (default: TE importable and CUDA present),
-    else ``SubqLocalSpecProvider``."""
+    else ``SubqLocalSpecProvider`` (with the fused norm when ``config.subq_fused_norm``)."""
+    fused_norm = bool(getattr(config, "subq_fused_norm", False))
     if use_te is None:
         use_te = HAVE_TE and torch.cuda.is_available()
     if use_te:
         if not HAVE_TE:
             raise ValueError("use_te=True but transformer_engine is not importable; allowed: "
                              "use_te=False or None")
+        if fused_norm:
+            raise ValueError("subq_fused_norm=True replaces the local spec's norm, but the "
+                             "Transformer Engine spec is in use (its norm is fused already); "
+                             "allowed: subq_fused_norm=False, or use_te=False")
         return TESpecProvider()
-    return SubqLocalSpecProvider()
+    return SubqLocalSpecProvider(fused_norm=fused_norm)
 
 
 def check_config(config) -> None:
@@ -93,7 +103,7 @@ def attention_slot_spec(config: SubqTransformerConfig, layer_number: int,
         raise ValueError(f"layer_number={layer_number} is invalid: allowed 1..num_layers="
                          f"{config.num_layers}")
     if provider is None:
-        provider = get_spec_provider()
+        provider = get_spec_provider(config=config)
     name = config.layer_variants[layer_number - 1]
     spec = VARIANTS[name].attention_spec(config, layer_number, provider)
     if config.qk_layernorm:

@@ -55,7 +55,7 @@ class SkippedTransformerLayer(TransformerLayer):
 def get_gpt_layer_spec(config: SubqTransformerConfig, layer_number: int,
                        use_te: Optional[bool] = None) -> ModuleSpec:
     """The spec of layer ``layer_number`` (1-based, global over pipeline stages)."""
-    provider = get_spec_provider(use_te)
+    provider = get_spec_provider(use_te, config)
     self_attention = attention_slot_spec(config, layer_number, provider)  # checks the arguments
     mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
         linear_fc1=provider.column_parallel_linear(),
@@ -91,7 +91,7 @@ def get_gpt_block_spec(config: SubqTransformerConfig, use_te: Optional[bool] = N
     layer_specs = [get_gpt_layer_spec(config, n, use_te)
                    for n in range(offset + 1, offset + count + 1)]
     return TransformerBlockSubmodules(layer_specs=layer_specs,
-                                      layer_norm=_norm(config, get_spec_provider(use_te)))
+                                      layer_norm=_norm(config, get_spec_provider(use_te, config)))
 
 
 def build_gpt_model(config: SubqTransformerConfig, vocab_size: int, max_sequence_length: int,

@@ -26,7 +26,7 @@ def get_hybrid_stack_spec(config: SubqTransformerConfig,
     if not config.is_hybrid:
         raise ValueError("hybrid_override_pattern is None: allowed a pattern of M, *, -, E "
                          "(one per layer) for the hybrid host; use build_gpt_model for a GPT")
-    provider = get_spec_provider(use_te)
+    provider = get_spec_provider(use_te, config)
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
         layer_specs=[hybrid_layer_spec(config, n, provider)
                      for n in range(1, config.num_layers + 1)],

@@ -85,7 +85,7 @@ def hybrid_layer_spec(config: SubqTransformerConfig, layer_number: int,
                       provider: Optional[BackendSpecProvider] = None) -> ModuleSpec:
     """The spec of global layer ``layer_number`` (1-based) per its pattern symbol."""
     if provider is None:
-        provider = get_spec_provider()
+        provider = get_spec_provider(config=config)
     symbol = config.hybrid_override_pattern[layer_number - 1]
     if symbol == "M":
         return mamba_layer_spec(config, provider)

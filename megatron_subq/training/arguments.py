@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_variant_arguments(p)
     add_hybrid_arguments(p)
+    add_fusion_arguments(p)
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -561,6 +562,7 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      f"x --pipeline-model-parallel-size={pp} does not divide the world size "
                      f"{world_size}")
     validate_hybrid_args(parser, args)
+    check_fusions(parser, args)
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp * cp)
     if cp > 1:
@@ -836,6 +838,91 @@ def _take_checkpoint_args(parser, args: argparse.Namespace) -> None:
             setattr(args, name, saved[name])
     args._checkpoint_args_note = (f"--use-checkpoint-args: from {folder}: "
                                   + (", ".join(taken) or "nothing differed"))
+
+
+def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
+    """megatron-core's own fusions under Megatron-LM's flag names (docs/training.md, "Fused
+    kernels"). Off by default here (Megatron-LM defaults most on): the local spec's unfused path
+    stays the default until the A/B measurements are in. ``--subq-fused-norm`` (this package's
+    Triton RMSNorm) is a config field, in the variant group."""
+    g = parser.add_argument_group(
+        "fusions", "megatron-core's fused ops that run without Transformer Engine or apex; "
+        "the flags naming one that needs them are refused at start-up")
+    _bool_flag(g, "--bias-swiglu-fusion", False,
+               "megatron-core's fused (bias +) SwiGLU (fusions/fused_bias_swiglu.py, "
+               "torch.compile'd forward and hand-written backward): config.bias_activation_fusion; "
+               "needs --swiglu")
+    _bool_flag(g, "--bias-dropout-fusion", False,
+               "megatron-core's fused bias + dropout + residual add (fusions/fused_bias_dropout.py,"
+               " torch.compile'd): config.bias_dropout_fusion")
+    _bool_flag(g, "--cross-entropy-loss-fusion", False,
+               "megatron-core's fused vocab-parallel cross-entropy (fusions/fused_cross_entropy.py,"
+               " torch.compile'd pieces, one all-reduce fewer): config.cross_entropy_loss_fusion")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=("native", "te"),
+                   help="native: megatron-core's; te: Transformer Engine's (needs TE)")
+    _bool_flag(g, "--apply-rope-fusion", False,
+               "megatron-core's fused RoPE: Transformer Engine's kernel (refused without TE; "
+               "see --subq-fused-rope)")
+    _bool_flag(g, "--masked-softmax-fusion", False,
+               "megatron's fused scale-mask-softmax (refused: Megatron-LM's compiled CUDA "
+               "extension, and the local core attention is torch SDPA, fused already)")
+    _bool_flag(g, "--persist-layer-norm", False,
+               "apex's persistent LayerNorm (refused without apex; see --subq-fused-norm)")
+    _bool_flag(g, "--gradient-accumulation-fusion", False,
+               "weight-gradient GEMMs accumulating into main_grad (apex's "
+               "fused_weight_gradient_mlp_cuda; refused without it)")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_fusions(parser, args) -> None:
+    """Refuse, naming the flag, a fusion whose kernel is missing here or that cannot apply to
+    this model; what runs is handed to the config by ``trainer.build_config``."""
+    have_te = _importable("transformer_engine") and _cuda()
+    if args.bias_swiglu_fusion and (not args.swiglu or args.squared_relu
+                                    or getattr(args, "silu", False)):
+        parser.error("--bias-swiglu-fusion fuses the gated SiLU (SwiGLU) MLP: it needs --swiglu "
+                     "(not --no-swiglu, --silu or --squared-relu); allowed: "
+                     "--no-bias-swiglu-fusion")
+    if (args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "native"
+            and not args.bf16):
+        # megatron-core 0.16.1 fused_cross_entropy.calculate_gradients ends in
+        # grad_input.to(torch.bfloat16): exact under --bf16 (the logits are bf16 there, so the
+        # unfused gradient is rounded to bf16 too), a rounding of the gradient otherwise
+        parser.error("--cross-entropy-loss-fusion (native) rounds the logits' gradient to bf16 "
+                     "(megatron-core's fused_cross_entropy.py), which changes fp32 and fp16 "
+                     "training; allowed: with --bf16, or --no-cross-entropy-loss-fusion")
+    if args.cross_entropy_loss_fusion and args.cross_entropy_fusion_impl == "te" and not have_te:
+        parser.error("--cross-entropy-fusion-impl te needs Transformer Engine (not importable "
+                     "here, or no CUDA); allowed: --cross-entropy-fusion-impl native")
+    if args.apply_rope_fusion and not have_te:
+        parser.error("--apply-rope-fusion: megatron-core's fused RoPE is Transformer Engine's "
+                     "(fused_apply_rotary_pos_emb), which is not importable here (or no CUDA); "
+                     "allowed: --no-apply-rope-fusion, or --subq-fused-rope (the same fusion on "
+                     "this package's Triton kernel)")
+    if args.masked_softmax_fusion:
+        parser.error("--masked-softmax-fusion: megatron's FusedScaleMaskSoftmax needs Megatron-"
+                     "LM's compiled scaled_masked_softmax_cuda extension, and the local core "
+                     "attention (torch SDPA) fuses the softmax already; allowed: "
+                     "--no-masked-softmax-fusion")
+    if args.persist_layer_norm and not _importable("apex"):
+        parser.error("--persist-layer-norm needs apex (FusedLayerNorm), which is not importable "
+                     "here; allowed: --no-persist-layer-norm (--subq-fused-norm is the fused "
+                     "RMSNorm without apex)")
+    if args.gradient_accumulation_fusion and not _importable("fused_weight_gradient_mlp_cuda"):
+        parser.error("--gradient-accumulation-fusion needs apex's fused_weight_gradient_mlp_cuda "
+                     "extension, which is not importable here; allowed: "
+                     "--no-gradient-accumulation-fusion")
+    if getattr(args, "subq_fused_norm", False) and have_te:
+        parser.error("--subq-fused-norm replaces the local spec's norm, but Transformer Engine is "
+                     "in use (its norm is fused already); allowed: --no-subq-fused-norm")
 
 
 def fail(args: argparse.Namespace, message: str) -> None:

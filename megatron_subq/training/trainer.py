@@ -159,6 +159,14 @@ def config_kwargs(args) -> dict:
         calculate_per_token_loss=False,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        # megatron-core's fusions (arguments.check_fusions refused those that cannot run here)
+        bias_activation_fusion=args.bias_swiglu_fusion,
+        bias_dropout_fusion=args.bias_dropout_fusion,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=args.cross_entropy_fusion_impl,
+        apply_rope_fusion=args.apply_rope_fusion,
+        persist_layer_norm=args.persist_layer_norm,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
     )
     kwargs.update(_hybrid_config_kwargs(args))
     if args.squared_relu:
