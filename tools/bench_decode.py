@@ -118,7 +118,9 @@ def parse_arms(text: str) -> List[Arm]:
     decoding = sorted(n for n, v in VARIANTS.items() if v.decode_cache != "none")
     arms: List[Arm] = []
     for item in [s.strip() for s in text.split(",") if s.strip()]:
-        label, _, spec = item.rpartition("=") if "=" in item.split(":", 1)[0] else ("", "", item)
+        head = item.split(":", 1)[0]
+        label, spec = ("", item) if "=" not in head else (head.split("=", 1)[0],
+                                                          item[len(head.split("=", 1)[0]) + 1:])
         name, *knob_items = spec.split(":")
         name = name.strip()
         if name not in VARIANTS:
