@@ -25,12 +25,19 @@ TINY = ["--hybrid-override-pattern", "M*EM-EM*", "--num-layers", "8", "--hidden-
         "--vocab-size", "256"]
 # a window of 3 keys and spans reaching forward: anchors and spans are used at these lengths
 ARMS = "slp=superlinear:superlinear_sw_index=1:superlinear_forward_factor=0.5,standard"
-CONTEXTS = (160, 288)
+@pytest.fixture(autouse=True)
+def _no_dynamo(monkeypatch):
+    """megatron's MoE helpers are torch.compile'd (jit_fuser): compiling them for each new
+    shape is most of this tiny model's CPU time, and changes nothing measured here."""
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
+
+
+CONTEXTS = (150, 260)  # 2 and 3 prefill chunks, the last one partial
 
 
 def _argv(tmp_path, *extra):
     return ["--contexts", ",".join(map(str, CONTEXTS)), "--variants", ARMS,
-            "--prefill-chunk", "64", "--decode-steps", "3", "--warmup-steps", "1",
+            "--prefill-chunk", "128", "--decode-steps", "2", "--warmup-steps", "1",
             "--layer-steps", "1", "--batch-size", "2", "--verify-upto", "1000",
             "--json", str(tmp_path / "decode.json"), *extra, "--", *TINY]
 
@@ -56,7 +63,7 @@ def test_bench_decode_tiny_hybrid(tmp_path, capsys):
                     "attention_ms_per_step", "decode_speedup_vs_baseline",
                     "prefill_speedup_vs_baseline", "parameters"):
             assert r[key] > 0, (key, r)
-        assert r["batch"] == 2 and r["decode_steps"] == 3 and r["prefill_chunk"] == 64
+        assert r["batch"] == 2 and r["decode_steps"] == 2 and r["prefill_chunk"] == 128
         assert [x["layer"] for x in r["attention_layers"]] == [2, 8]
         assert all(x["layer_ms"] > 0 and x["core_ms"] > 0 for x in r["attention_layers"])
         assert r["verify"]["match"], r["verify"]
@@ -99,7 +106,7 @@ def test_greedy_token_after_prefill_is_the_full_forward_argmax(tmp_path):
     (["--decode-steps", "0"], "--decode-steps '0' is invalid"),
     (["--baseline", "dense"], "--baseline 'dense': no such arm"),
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "256"],
-     "--contexts 288: with the decode steps 294 positions, more than the model's learned "
+     "--contexts 260: with the decode steps 265 positions, more than the model's learned "
      "position table (--max-position-embeddings 256)"),
 ])
 def test_bad_arguments_name_their_flag(tmp_path, extra, flag):
