@@ -187,6 +187,9 @@ def _trainer_args(model_argv: List[str], arm: Arm, need_positions: int, cuda: bo
         scaffold += ["--tokenizer-type", "NullTokenizer"]
         if not _given(argv, "--vocab-size"):
             scaffold += ["--vocab-size", "131072"]
+    if _given(argv, "--hybrid-override-pattern") and not _given(argv, "--mamba-impl"):
+        # megatron's MambaMixer cannot continue a chunked prefill (see _check_fits)
+        scaffold += ["--mamba-impl", "pytorch"]
     if not _given(argv, "--max-position-embeddings"):
         scaffold += ["--max-position-embeddings", str(need_positions)]
     if cuda and not (_given(argv, "--fp16") or _given(argv, "--bf16")):
@@ -219,6 +222,8 @@ def _load_args(load: str, ckpt_step, arm: Arm, cuda: bool):
     args.use_cpu_initialization = not cuda
     args.recompute_granularity = args.recompute_method = args.recompute_num_layers = None
     args.attention_variant = arm.variant
+    if getattr(args, "hybrid_override_pattern", None):
+        args.mamba_impl = "pytorch"  # the same weights; megatron's cannot chunk a prefill
     fields = {f.name for f in _config_fields()}
     for key, value in arm.knobs.items():
         if key not in fields or not hasattr(args, key):
@@ -367,6 +372,17 @@ def _check_fits(arm: Arm, contexts: List[int], need: int, batch: int, chunk, cud
                          f"than the model's learned position table (--max-position-embeddings "
                          f"{args.max_position_embeddings}); allowed contexts up to "
                          f"{args.max_position_embeddings - (need - longest)}")
+    if config.is_hybrid and "M" in (config.hybrid_override_pattern or ""):
+        from megatron_subq.ssm import SubqMambaMixer, mamba_mixer_class  # noqa: PLC0415
+
+        mixer = mamba_mixer_class(config, getattr(config, "mamba_impl", None))
+        if mixer is not SubqMambaMixer and chunk is not None and longest > chunk:
+            raise BenchError(
+                f"--mamba-impl {getattr(config, 'mamba_impl', None)}: megatron's MambaMixer "
+                "cannot continue a chunked prefill under megatron's static inference context "
+                "(a chunk after the first takes its one-token decode path); allowed: "
+                "--mamba-impl pytorch (SubqMambaMixer, the default here), or --prefill-chunk "
+                "none")
     for name in sorted({n for n in config.layer_variants if n is not None}):
         variant = VARIANTS[name]
         if variant.decode_cache != "kv" or name in ("standard", "sas"):
@@ -615,7 +631,13 @@ def _meta(plan_: Plan) -> dict:
 
     a = plan_.arms[0]
     cfg = a.config
+    mixer = None
+    if cfg.is_hybrid:
+        from megatron_subq.ssm import mamba_mixer_class  # noqa: PLC0415
+
+        mixer = mamba_mixer_class(cfg, getattr(cfg, "mamba_impl", None)).__name__
     return dict(
+        mamba_mixer=mixer,
         device=torch.cuda.get_device_name() if plan_.cuda else "cpu",
         torch=torch.__version__, dtype=str(cfg.params_dtype).replace("torch.", ""),
         host="hybrid" if cfg.is_hybrid else "gpt",
