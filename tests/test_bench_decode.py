@@ -71,28 +71,25 @@ def test_bench_decode_tiny_hybrid(tmp_path, capsys):
     assert all(r["decode_speedup_vs_baseline"] == 1.0 for r in rows if r["arm"] == "standard")
     printed = capsys.readouterr().out
     assert "| context | arm | prefill tok/s | decode tok/s" in printed
+    _check_first_tokens_outside_the_tool(_argv(tmp_path), rows)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (fp32) path")
-def test_greedy_token_after_prefill_is_the_full_forward_argmax(tmp_path):
+def _check_first_tokens_outside_the_tool(argv, rows):
     """Independently of the tool's own --verify: the same model and prompt rebuilt from the
-    tool's plan, one full forward (``scoring.full_logits``), its last argmax against the JSON."""
+    tool's plan, one full forward (``scoring.full_logits``), its last argmax against the JSON's
+    greedy tokens after the prefill."""
     import megatron_subq as subq
     from megatron_subq.inference import full_logits
 
-    argv = _argv(tmp_path)
-    argv[argv.index("--verify-upto") + 1] = "0"
-    argv[argv.index("--contexts") + 1] = "200"
-    out = bench_decode.main(argv)
     plan = bench_decode.plan(argv)
     subq.init_single_process(plan.seed)
     try:
-        for arm, row in zip(plan.arms, out["results"]):
+        for arm in plan.arms:
             model = bench_decode._build(plan, arm)
-            prompt = bench_decode._prompt(plan, arm, 200)
-            ref = full_logits(model, prompt)[:, -1].argmax(dim=-1).tolist()
-            assert "verify" not in row and row["arm"] == arm.label
-            assert row["first_tokens"] == ref, arm.label
+            for length in CONTEXTS:
+                ref = full_logits(model, bench_decode._prompt(plan, arm, length))
+                row = next(r for r in rows if r["arm"] == arm.label and r["context"] == length)
+                assert row["first_tokens"] == ref[:, -1].argmax(dim=-1).tolist(), row
     finally:
         subq.destroy_single_process()
 
@@ -134,3 +131,30 @@ def test_gpu_only_options_are_refused_on_the_cpu(tmp_path, extra, flag, capsys):
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
     assert not (tmp_path / "decode.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (fp32) path")
+def test_load_a_checkpoint_and_swap_its_variant(tmp_path):
+    """--load: the checkpoint's model (a 2-layer GPT with superlinear); the standard arm keeps
+    its matching weights (every one but linear_qs) and still decodes what full_logits says."""
+    from megatron_subq.training import pretrain
+
+    save = str(tmp_path / "ckpt")
+    pretrain(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+              "--attention-variant", "superlinear", "--superlinear-sw-index", "1",
+              "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+              "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+              "NullTokenizer", "--vocab-size", "95", "--eval-iters", "0", "--num-workers", "0",
+              "--save", save, "--save-interval", "1"])
+    out = bench_decode.main(["--load", save, "--contexts", "90", "--variants",
+                             "superlinear,standard", "--prefill-chunk", "64", "--decode-steps",
+                             "1", "--warmup-steps", "0", "--layer-steps", "1", "--verify-upto",
+                             "90"])
+    assert out["meta"]["load"] == save and out["meta"]["host"] == "gpt"
+    assert [a["layer_variants"] for a in out["meta"]["arms"]] == [["superlinear"] * 2,
+                                                                  ["standard"] * 2]
+    assert all(r["verify"]["match"] and r["decode_tok_s"] > 0 for r in out["results"])
+    with pytest.raises(bench_decode.BenchError, match="--load: the model comes from the "):
+        bench_decode.plan(["--load", save, "--", "--num-layers", "2"])
+    with pytest.raises(bench_decode.BenchError, match="--load '/nonexistent'"):
+        bench_decode.plan(["--load", "/nonexistent"])
