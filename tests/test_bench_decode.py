@@ -61,7 +61,7 @@ def test_bench_decode_tiny_hybrid(tmp_path, capsys):
                     "prefill_chunk_ms_last", "prefill_chunk_ms_median", "decode_s",
                     "decode_tok_s", "ms_per_step", "step_ms_median", "host_enqueue_ms_median",
                     "attention_ms_per_step", "decode_speedup_vs_baseline",
-                    "prefill_speedup_vs_baseline", "parameters"):
+                    "prefill_speedup_vs_baseline", "parameters", "warmup_s"):
             assert r[key] > 0, (key, r)
         assert r["batch"] == 2 and r["decode_steps"] == 2 and r["prefill_chunk"] == 128
         assert [x["layer"] for x in r["attention_layers"]] == [2, 8]
