@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False,
-        epilog="Model flags: the trainer's (examples/pretrain_gpt.py --help), after -- or mixed in.")
+        epilog="Model flags: the trainer's (examples/pretrain_gpt.py --help), after -- or "
+               "mixed in.")
     p.add_argument("--contexts", default="65536,262144,1048576",
                    help="prompt lengths, comma separated (suffix K/M: x1024 / x1024^2)")
     p.add_argument("--variants", default="superlinear,standard",
@@ -232,8 +233,12 @@ def _load_args(load: str, ckpt_step, arm: Arm, cuda: bool):
         if key not in fields or not hasattr(args, key):
             raise BenchError(f"--variants {arm.label}: unknown knob {key!r}")
         old = getattr(args, key)
-        setattr(args, key, value.lower() == "true" if isinstance(old, bool)
-                else type(old)(value) if old is not None else value)
+        try:
+            setattr(args, key, value.lower() == "true" if isinstance(old, bool)
+                    else type(old)(value) if old is not None else value)
+        except ValueError:
+            raise BenchError(f"--variants {arm.label}: knob {key}={value!r} is invalid: allowed "
+                             f"a {type(old).__name__}") from None
     if cuda and not args.fp16:
         args.bf16 = True
     if not cuda:
@@ -353,6 +358,10 @@ def plan(argv: Optional[List[str]] = None) -> Plan:
                     from None
             arm.vocab = _padded_vocab(arm.args)
         arm.config = _build_config(arm.args)
+        if arm.variant not in arm.config.layer_variants:
+            raise BenchError(f"--variants {arm.label}: no layer of the model takes {arm.variant!r} "
+                             f"(its --layer-pattern {arm.args.layer_pattern!r} names the layers' "
+                             "variants itself)")
         _check_fits(arm, contexts, need, batch, chunk, cuda)
     if ns.json:
         folder = os.path.dirname(os.path.abspath(ns.json))
@@ -465,12 +474,12 @@ def _module_timers(modules, clock: Clock, store: Dict[str, List]):
 
 def _build(plan_: Plan, arm: Arm):
     import torch  # noqa: PLC0415
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: PLC0415
+    from megatron.core.tensor_parallel import random as tp_random  # noqa: PLC0415
 
     from megatron_subq.training.trainer import bare_model  # noqa: PLC0415
 
     torch.manual_seed(plan_.seed)
-    model_parallel_cuda_manual_seed(plan_.seed)
+    tp_random.model_parallel_cuda_manual_seed(plan_.seed)
     model = bare_model(arm.args, arm.config, arm.vocab)
     if plan_.cuda:
         model = model.cuda()

@@ -22,7 +22,8 @@
 set -uo pipefail
 OUT=${OUT:-runs/gpu-decode}; mkdir -p "$OUT"
 CONTEXTS=${*:-"65536 262144 1048576"}
-ARMS=${ARMS:-"superlinear,ext=superlinear:superlinear_backward_factor=4:superlinear_forward_factor=2,standard"}
+ARMS=${ARMS:-"superlinear,ext=superlinear:superlinear_backward_factor=4:\
+superlinear_forward_factor=2,standard"}
 CHUNK=${CHUNK:-8192}; STEPS=${STEPS:-32}; WARMUP=${WARMUP:-4}; LAYER_STEPS=${LAYER_STEPS:-8}
 BATCH=${BATCH:-1}
 NANO12=(--hybrid-override-pattern "MEMEM*EMEM*E" --num-layers 12 --hidden-size 2688
@@ -59,7 +60,8 @@ for path in sorted(glob.glob(os.path.join(out, "decode-*.json"))):
     data = json.load(open(path))
     meta = data["meta"]
     rows += data["results"]
-rows.sort(key=lambda r: (r["context"], r["arm"]))
+order = [a["label"] for a in meta.get("arms", [])]
+rows.sort(key=lambda r: (r["context"], order.index(r["arm"]) if r["arm"] in order else 99))
 add_ratios(rows, meta.get("baseline"))
 text = table(rows, meta.get("baseline"))
 head = (f"{meta.get('device')}, {meta.get('dtype')}, {meta.get('host')} {meta.get('pattern')}, "
