@@ -392,7 +392,8 @@ def _check_fits(arm: Arm, contexts: List[int], need: int, batch: int, chunk, cud
             raise BenchError(
                 f"--mamba-impl {getattr(config, 'mamba_impl', None)}: megatron's MambaMixer "
                 "cannot continue a chunked prefill under megatron's static inference context "
-                "(a chunk after the first takes its one-token decode path); allowed: "
+                "(a chunk after the first goes to its one-token decode path, which asserts "
+                "on more tokens); allowed: "
                 "--mamba-impl pytorch (SubqMambaMixer, the default here), or --prefill-chunk "
                 "none")
     for name in sorted({n for n in config.layer_variants if n is not None}):
@@ -616,9 +617,12 @@ def _profile(session, token, steps: int = PROFILE_STEPS, top: int = 12) -> List[
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        cuda_us = getattr(e, "device_time_total", None)
+        kind = getattr(e, "device_type", None)
+        if kind is not None and "CUDA" not in str(kind):
+            continue  # host-side ops: their kernels are listed themselves
+        cuda_us = getattr(e, "self_device_time_total", None)
         if cuda_us is None:
-            cuda_us = getattr(e, "cuda_time_total", 0)
+            cuda_us = getattr(e, "self_cuda_time_total", 0)
         if cuda_us:
             rows.append(dict(name=e.key[:80], calls=e.count, ms_per_step=cuda_us / 1e3 / steps))
     rows.sort(key=lambda r: -r["ms_per_step"])
