@@ -25,12 +25,15 @@ def init_single_process(seed: int = 1234) -> None:
     from .distributed import free_port  # noqa: PLC0415
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0,
-                                world_size=1)
+        # MASTER_ADDR/MASTER_PORT when the caller set them, else a free port of our own, kept out
+        # of os.environ: a port left there would send a child process (a trainer, torchrun's
+        # workers, a notebook's subprocess) to this process's socket (EADDRINUSE)
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT") or str(free_port())
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                init_method=f"tcp://{addr}:{port}", rank=0, world_size=1)
     if not torch.cuda.is_available():
         install_cpu_fallbacks()
     if not parallel_state.model_parallel_is_initialized():

@@ -143,6 +143,38 @@ def test_hybrid_host_decodes_with_mamba_states(one_process):
     assert kinds == {"tuple", "KVCache"}  # Mamba (conv, ssm) states and the attention caches
 
 
+def test_megatron_mamba_mixer_takes_one_prefill_only(one_process):
+    """megatron's MambaMixer decodes one token per forward once its states exist: with it in the
+    model, a chunked or later prefill is refused before anything runs (a stand-in subclass of
+    megatron's class marks the layers here: the real one needs CUDA and mamba_ssm)."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    from megatron_subq.hybrid import build_hybrid_model
+    from megatron_subq.inference import DecodeSession
+    from megatron_subq.ssm.mamba_mixer import SubqMambaMixer
+    from megatron_subq.testing.hybrid import hybrid_test_config
+
+    config = hybrid_test_config(hybrid_override_pattern="M*-M*", num_layers=5,
+                                layer_pattern=["superlinear", "standard"])
+    torch.manual_seed(0)
+    model = build_hybrid_model(config, vocab_size=VOCAB, max_sequence_length=64)
+    assert not DecodeSession(model, 2, 32).one_prefill_only  # the PyTorch mixer chunks
+    mixers = [m for m in model.modules() if isinstance(m, SubqMambaMixer)]
+    assert mixers
+    mixers[0].__class__ = type("MegatronMixerStandIn", (SubqMambaMixer, MambaMixer), {})
+    session = DecodeSession(model, 2, 32)
+    assert session.one_prefill_only
+    tokens = _tokens(length=12)
+    with pytest.raises(ValueError, match=r"chunk=4 for 12 tokens after 0 positions.*MambaMixer"):
+        session.prefill(tokens, chunk=4)
+    assert session.length == 0  # nothing ran
+    mixers[0].__class__ = SubqMambaMixer  # the whole prompt at position 0, then no more prefill
+    session.prefill(tokens)
+    mixers[0].__class__ = type("MegatronMixerStandIn", (SubqMambaMixer, MambaMixer), {})
+    with pytest.raises(ValueError, match=r"after 12 positions"):
+        session.prefill(tokens[:, :2])
+
+
 def test_generate_greedy_sampled_and_ragged_prompts(one_process):
     model = _gpt("asa", layer_pattern="hybrid")
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [1, 2, 3, 4, 5, 6, 7]]

@@ -104,6 +104,12 @@ class DecodeSession:
         self.batch_size = batch_size
         self.max_length = max_length
         self.context = StaticInferenceContext(batch_size, max_length)
+        # megatron's MambaMixer (mamba_impl 'megatron', or 'auto' on CUDA) takes a forward after
+        # position 0 for a one-token decode step and asserts on more tokens: with it, a prompt
+        # goes in as one prefill at position 0 (prefill refuses chunks and later prefills)
+        from megatron.core.ssm.mamba_mixer import MambaMixer  # noqa: PLC0415
+
+        self.one_prefill_only = any(isinstance(m, MambaMixer) for m in model.modules())
 
     @property
     def length(self) -> int:
@@ -157,6 +163,14 @@ class DecodeSession:
             raise ValueError(f"DecodeSession.prefill: {tokens.shape[1]} tokens after "
                              f"{self.length} exceed max_length={self.max_length}")
         size = tokens.shape[1] if chunk is None else chunk
+        if self.one_prefill_only and (self.length > 0 or size < tokens.shape[1]):
+            raise ValueError(
+                f"DecodeSession.prefill: chunk={chunk!r} for {tokens.shape[1]} tokens after "
+                f"{self.length} positions: the model's Mamba layers are megatron's MambaMixer, "
+                "which continues from its states one token per forward only; allowed: the whole "
+                "prompt as one prefill at position 0 (chunk=None or chunk >= its length; "
+                "generate(prefill_chunk=None)), then step(), or a model built with "
+                "mamba_impl='pytorch' (chunked prefill from the states)")
         outs = [self._forward(tokens[:, a:a + size], all_logits)
                 for a in range(0, tokens.shape[1], size)]
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1]
