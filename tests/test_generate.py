@@ -103,6 +103,9 @@ def test_cache_ops_equal_the_full_ops_rows():
         torch.testing.assert_close(got, full[:, 21:30])
         one = ops.standard_prefill(q[:, 29:30], k[:, :30], v[:, :30], impl=impl)  # start = L - 1
         torch.testing.assert_close(one, full[:, 29:30])
+        # one decode step mid-cache (the grouped-query path: NaN rows past it are never read)
+        step = ops.standard_prefill(q[:, 21:22], cache_k, cache_v, start=21, impl=impl)
+        torch.testing.assert_close(step, full[:, 21:22])
     full = ops.ppa_attention(q, k, v, 0.5, 2, impl="reference")
     got = ops.ppa_prefill(q[:, 21:30], cache_k, cache_v, 0.5, 2, start=21)
     torch.testing.assert_close(got, full[:, 21:30])

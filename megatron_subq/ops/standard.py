@@ -71,6 +71,14 @@ def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.einsum("bhij,bjhd->bihd", scores.softmax(dim=-1), vf).to(q.dtype)
+    if C == 1:
+        # a decode step: the G = H / H_kv query heads of a KV head are G rows of one [G, L]
+        # problem, so K and V are read once per KV head, neither repeated nor masked (SDPA's
+        # fused kernels take it); repeat_kv's head order: query head h reads KV head h // G
+        B, H_kv = q.shape[0], k.shape[2]
+        qg = q.reshape(B, H_kv, H // H_kv, D)
+        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+        return out.reshape(B, 1, H, v.shape[-1])  # v may be narrower than q, k (sas)
     qt, kt, vt = q.transpose(1, 2), repeat_kv(k, H).transpose(1, 2), repeat_kv(v, H).transpose(1, 2)
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out.transpose(1, 2)
