@@ -152,9 +152,10 @@ class SubqCoreAttention(MegatronModule):
         return tuple(torch.cat([torch.zeros_like(c[:1]), c[:-1].cumsum(0)]) for c in chunks)
 
     def attend_from_state(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          state: tuple) -> torch.Tensor:
-        """State passing: ``attend`` of a chunk that follows tokens whose summed
-        ``chunk_state`` is ``state``."""
+                          state: tuple, tokens_before: int) -> torch.Tensor:
+        """State passing: ``attend`` of a chunk that follows ``tokens_before`` tokens (a host
+        int: the chunk's index times the chunk length) whose summed ``chunk_state`` is
+        ``state``."""
         raise NotImplementedError
 
     def cp_heads(self, param: torch.Tensor) -> torch.Tensor:
@@ -244,7 +245,8 @@ class SubqCoreAttention(MegatronModule):
         outs = []
         for half, (qh, kh, vh) in enumerate(halves):
             j = order[2 * self.cp_rank + half]
-            outs.append(self.attend_from_state(qh, kh, vh, tuple(p[j] for p in before)))
+            outs.append(self.attend_from_state(qh, kh, vh, tuple(p[j] for p in before),
+                                               tokens_before=j * c))
         return torch.cat(outs, dim=1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):

@@ -340,7 +340,7 @@ def approx_attention_kernel(q, k, v, eps: float = 1e-6, state=None,
         # kernel argument order: kv1, kv2, sum_k1, sum_k2, sum_v
         tensors0 = tuple(t.to(torch.float32).contiguous()
                          for t in (state.kv1, state.kv2, state.sum_k1, state.sum_k2, state.sum_v))
-        length0 = int(state.length)  # a 0-dim tensor (state passing's count): one sync
+        length0 = int(state.length)  # a host int (state passing, decode); a 0-dim tensor syncs
     o, *final = ApproxChunkFunction.apply(q, k, v, float(eps), int(length0), *tensors0,
                                           bool(output_final_state), cfg)
     if not output_final_state:

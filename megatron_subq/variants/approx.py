@@ -47,21 +47,20 @@ class ApproxCoreAttention(SubqCoreAttention):
 
     def chunk_state(self, q, k, v):
         """The running sums these tokens alone leave (``ApproxState``'s tensors, per key/value
-        head, accumulation dtype) and their count: all additive over chunks."""
+        head, accumulation dtype): all additive over chunks. The token count, which the mean
+        term needs, comes as ``attend_from_state``'s host int, not as a tensor to sync on."""
         ks = _prescale(k)
         vf = v.to(ks.dtype)
         k2 = _phi2(ks)
-        count = torch.full((), float(k.shape[1]), dtype=ks.dtype, device=k.device)
         return (vf.sum(1), ks.sum(1), k2.sum(1), torch.einsum("bthd,bthe->bhde", ks, vf),
-                torch.einsum("bthd,bthe->bhde", k2, vf), count)
+                torch.einsum("bthd,bthe->bhde", k2, vf))
 
-    def attend_from_state(self, q, k, v, state):
+    def attend_from_state(self, q, k, v, state, tokens_before):
         """The chunk continuing from the earlier tokens' summed state: ``ops.approx_prefill``
         with ``subq_impl`` (the kernel where ``attend`` takes it — it returns the starting
         state's gradient — else the chunked PyTorch form), whose mean term counts from
-        ``state``'s token count."""
-        *sums, count = state
-        return approx_prefill(q, k, v, state=ApproxState(*sums, length=count),
+        ``tokens_before``."""
+        return approx_prefill(q, k, v, state=ApproxState(*state, length=tokens_before),
                               impl=self.config.subq_impl)[0]
 
 

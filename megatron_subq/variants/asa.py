@@ -82,7 +82,7 @@ class ASACoreAttention(SubqCoreAttention):
         vals = repeat_kv(v, q.shape[2]).to(k_feat.dtype)
         return torch.einsum("bthm,bthd->bhmd", k_feat, vals), k_feat.sum(dim=1)
 
-    def attend_from_state(self, q, k, v, state):
+    def attend_from_state(self, q, k, v, state, tokens_before):
         """The chunk's own attention (the op from an empty state, kernel or reference) plus the
         earlier tokens' state (S0, z0), in PyTorch: num = o·den_own + q' S0, then the
         normalisation of ``asa_normalize`` over own and earlier tokens."""
@@ -96,9 +96,9 @@ class ASACoreAttention(SubqCoreAttention):
         if mode == "linear":
             own = (q_feat * k_feat.cumsum(dim=1)).sum(dim=-1)  # [B, T, H]
             den = own + torch.einsum("bthm,bhm->bth", q_feat, z0)
-        else:  # "mean": own tokens 1..T after the z0.sum() earlier ones (k' sums to 1)
+        else:  # "mean": own tokens 1..T after the tokens_before earlier ones (exact count)
             own = torch.arange(1, q.shape[1] + 1, device=q.device, dtype=o.dtype)[None, :, None]
-            den = own + z0.sum(dim=-1)[:, None, :]
+            den = own + float(tokens_before)
         return ((o * own.unsqueeze(-1) + cross) / den.unsqueeze(-1)).to(q.dtype)
 
 

@@ -78,10 +78,11 @@ class NonapproxCoreAttention(SubqCoreAttention):
             den, top = den * old + dens[i] * own, new_top
         return tuple(torch.stack(acc) for acc in before)
 
-    def attend_from_state(self, q, k, v, state):
+    def attend_from_state(self, q, k, v, state, tokens_before):
         """The chunk continuing the earlier tokens' running softmax: ``ops.nonapprox_prefill``
         with ``subq_impl`` (the kernel where ``attend`` takes it — it returns the starting
-        state's gradient — else the chunked PyTorch form)."""
+        state's gradient — else the chunked PyTorch form). ``tokens_before`` is not needed:
+        the running softmax carries its own normaliser."""
         return nonapprox_prefill(q, k, v, state=NonapproxState(*state),
                                  impl=self.config.subq_impl)[0]
 
