@@ -79,14 +79,40 @@ def _safe(den, eps):
     return tl.where(tl.abs(den) < eps, guard, den)
 
 
+@triton.jit
+def _load_states(s_ptr, zv_ptr, row, d_cols, v_cols, D, BK: tl.constexpr, BV: tl.constexpr,
+                 LOAD: tl.constexpr):
+    """(S1, S2, z1, z2, sv) blocks of row ``row`` of ``[rows, 2, D, D]`` / ``[rows, 3, D]``
+    fp32 (the layouts ``_store_states`` writes), or zeros without ``LOAD``."""
+    d_ok, v_ok = d_cols < D, v_cols < D
+    if LOAD:
+        s_off = row * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
+        s_mask = d_ok[:, None] & v_ok[None, :]
+        zv = zv_ptr + row * 3 * D
+        S1 = tl.load(s_ptr + s_off, mask=s_mask, other=0.0)
+        S2 = tl.load(s_ptr + s_off + D * D, mask=s_mask, other=0.0)
+        z1 = tl.load(zv + d_cols, mask=d_ok, other=0.0)
+        z2 = tl.load(zv + D + d_cols, mask=d_ok, other=0.0)
+        sv = tl.load(zv + 2 * D + v_cols, mask=v_ok, other=0.0)
+    else:
+        S1 = tl.zeros([BK, BV], dtype=tl.float32)
+        S2 = tl.zeros([BK, BV], dtype=tl.float32)
+        z1 = tl.zeros([BK], dtype=tl.float32)
+        z2 = tl.zeros([BK], dtype=tl.float32)
+        sv = tl.zeros([BV], dtype=tl.float32)
+    return S1, S2, z1, z2, sv
+
+
 # ------------------------------------------------------------------------------------------
 # forward
 # ------------------------------------------------------------------------------------------
 @triton.jit
-def _store_chunk_delta(ds_ptr, dzv_ptr, out, pid_k, pid_v, d_cols, v_cols, D, d1, d2, z1, z2, sv):
-    """Both delta kernels' stores: the [BK, BV] blocks of ΔS1, ΔS2 at ``out`` (= chunk row of
-    ``[B*H_kv, NT, 2, D, D]``) and the vector deltas (z1, z2 from the programs of the first Dv
-    block, sv from those of the first D block) into ``[B*H_kv, NT, 3, D]``."""
+def _store_states(ds_ptr, dzv_ptr, out, pid_k, pid_v, d_cols, v_cols, D, d1, d2, z1, z2, sv):
+    """Every state store (deltas, states, reverse states, initial/final ones): the [BK, BV]
+    blocks of S1, S2 at row ``out`` of ``[rows, 2, D, D]`` (a chunk row of ``[B*H_kv, NT, ...]``
+    or a ``[B*H_kv, ...]`` state row; cast to the buffer's dtype) and the vectors (z1, z2 from
+    the programs of the first Dv block, sv from those of the first D block) into
+    ``[rows, 3, D]``."""
     d_ok, v_ok = d_cols < D, v_cols < D
     s_off = out * 2 * D * D + d_cols[:, None] * D + v_cols[None, :]
     s_mask = d_ok[:, None] & v_ok[None, :]
@@ -127,7 +153,7 @@ def approx_fwd_delta_kernel(
     vo = _operand(v, k_ptr, DOT_F32)
     d1 = tl.dot(tl.trans(_operand(b1, k_ptr, DOT_F32)), vo, input_precision=PREC)
     d2 = tl.dot(tl.trans(_operand(b2, k_ptr, DOT_F32)), vo, input_precision=PREC)
-    _store_chunk_delta(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
+    _store_states(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
                        tl.sum(b1, axis=0), tl.sum(b2, axis=0), tl.sum(v, axis=0))
 
 
@@ -148,32 +174,12 @@ def approx_fwd_states_kernel(
     b, hk = pid_bk // HKV, pid_bk % HKV
     k_cols = pid_k * BK + tl.arange(0, BK)
     v_cols = pid_v * BV + tl.arange(0, BV)
-    k_ok, v_ok = k_cols < D, v_cols < D
-    s_off = k_cols[:, None] * D + v_cols[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    DD = D * D
-    if HAS_STATE:
-        S1 = tl.load(s0_ptr + pid_bk * 2 * DD + s_off, mask=s_mask, other=0.0)
-        S2 = tl.load(s0_ptr + pid_bk * 2 * DD + DD + s_off, mask=s_mask, other=0.0)
-        z1 = tl.load(zv0_ptr + pid_bk * 3 * D + k_cols, mask=k_ok, other=0.0)
-        z2 = tl.load(zv0_ptr + pid_bk * 3 * D + D + k_cols, mask=k_ok, other=0.0)
-        sv = tl.load(zv0_ptr + pid_bk * 3 * D + 2 * D + v_cols, mask=v_ok, other=0.0)
-    else:
-        S1 = tl.zeros([BK, BV], dtype=tl.float32)
-        S2 = tl.zeros([BK, BV], dtype=tl.float32)
-        z1 = tl.zeros([BK], dtype=tl.float32)
-        z2 = tl.zeros([BK], dtype=tl.float32)
-        sv = tl.zeros([BV], dtype=tl.float32)
+    S1, S2, z1, z2, sv = _load_states(s0_ptr, zv0_ptr, pid_bk, k_cols, v_cols, D, BK, BV,
+                                      HAS_STATE)
     base = (b * T * HKV + hk) * D
     for c in range(NT):
-        out = pid_bk * NT + c
-        tl.store(s_ptr + out * 2 * DD + s_off, S1.to(s_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(s_ptr + out * 2 * DD + DD + s_off, S2.to(s_ptr.dtype.element_ty), mask=s_mask)
-        if pid_v == 0:
-            tl.store(zv_ptr + out * 3 * D + k_cols, z1, mask=k_ok)
-            tl.store(zv_ptr + out * 3 * D + D + k_cols, z2, mask=k_ok)
-        if pid_k == 0:
-            tl.store(zv_ptr + out * 3 * D + 2 * D + v_cols, sv, mask=v_ok)
+        _store_states(s_ptr, zv_ptr, pid_bk * NT + c, pid_k, pid_v, k_cols, v_cols, D, S1, S2,
+                      z1, z2, sv)
         t0 = c * BT
         b1 = _tile(k_ptr + base, t0, T, HKV * D, k_cols, D, BT) * scale
         b2 = _square(b1)
@@ -185,13 +191,7 @@ def approx_fwd_states_kernel(
         z2 += tl.sum(b2, axis=0)
         sv += tl.sum(v, axis=0)
     if STORE_FINAL:
-        tl.store(sf_ptr + pid_bk * 2 * DD + s_off, S1, mask=s_mask)
-        tl.store(sf_ptr + pid_bk * 2 * DD + DD + s_off, S2, mask=s_mask)
-        if pid_v == 0:
-            tl.store(zvf_ptr + pid_bk * 3 * D + k_cols, z1, mask=k_ok)
-            tl.store(zvf_ptr + pid_bk * 3 * D + D + k_cols, z2, mask=k_ok)
-        if pid_k == 0:
-            tl.store(zvf_ptr + pid_bk * 3 * D + 2 * D + v_cols, sv, mask=v_ok)
+        _store_states(sf_ptr, zvf_ptr, pid_bk, pid_k, pid_v, k_cols, v_cols, D, S1, S2, z1, z2, sv)
 
 
 @triton.jit
@@ -336,7 +336,7 @@ def approx_bwd_delta_kernel(
         dop = _operand(do, q_ptr, DOT_F32)
         d1 = tl.dot(tl.trans(g1), dop, acc=d1, input_precision=PREC)
         d2 = tl.dot(tl.trans(g2), dop, acc=d2, input_precision=PREC)
-    _store_chunk_delta(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
+    _store_states(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, d_cols, v_cols, D, d1, d2,
                        dz1, dz2, dsv)
 
 
@@ -359,33 +359,12 @@ def approx_bwd_states_kernel(
     b, hk = pid_bk // HKV, pid_bk % HKV
     k_cols = pid_k * BK + tl.arange(0, BK)
     v_cols = pid_v * BV + tl.arange(0, BV)
-    k_ok, v_ok = k_cols < D, v_cols < D
-    s_off = k_cols[:, None] * D + v_cols[None, :]
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    DD = D * D
-    if HAS_INIT:
-        dS1 = tl.load(ds0_ptr + pid_bk * 2 * DD + s_off, mask=s_mask, other=0.0)
-        dS2 = tl.load(ds0_ptr + pid_bk * 2 * DD + DD + s_off, mask=s_mask, other=0.0)
-        dz1 = tl.load(dzv0_ptr + pid_bk * 3 * D + k_cols, mask=k_ok, other=0.0)
-        dz2 = tl.load(dzv0_ptr + pid_bk * 3 * D + D + k_cols, mask=k_ok, other=0.0)
-        dsv = tl.load(dzv0_ptr + pid_bk * 3 * D + 2 * D + v_cols, mask=v_ok, other=0.0)
-    else:
-        dS1 = tl.zeros([BK, BV], dtype=tl.float32)
-        dS2 = tl.zeros([BK, BV], dtype=tl.float32)
-        dz1 = tl.zeros([BK], dtype=tl.float32)
-        dz2 = tl.zeros([BK], dtype=tl.float32)
-        dsv = tl.zeros([BV], dtype=tl.float32)
+    dS1, dS2, dz1, dz2, dsv = _load_states(ds0_ptr, dzv0_ptr, pid_bk, k_cols, v_cols, D, BK, BV,
+                                           HAS_INIT)
     for i in range(NT):
         c = NT - 1 - i
-        out = pid_bk * NT + c
-        tl.store(ds_ptr + out * 2 * DD + s_off, dS1.to(ds_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(ds_ptr + out * 2 * DD + DD + s_off, dS2.to(ds_ptr.dtype.element_ty),
-                 mask=s_mask)
-        if pid_v == 0:
-            tl.store(dzv_ptr + out * 3 * D + k_cols, dz1, mask=k_ok)
-            tl.store(dzv_ptr + out * 3 * D + D + k_cols, dz2, mask=k_ok)
-        if pid_k == 0:
-            tl.store(dzv_ptr + out * 3 * D + 2 * D + v_cols, dsv, mask=v_ok)
+        _store_states(ds_ptr, dzv_ptr, pid_bk * NT + c, pid_k, pid_v, k_cols, v_cols, D, dS1, dS2,
+                      dz1, dz2, dsv)
         t0 = c * BT
         rows = t0 + tl.arange(0, BT)
         row_ok = rows < T
@@ -410,13 +389,8 @@ def approx_bwd_states_kernel(
             dz2 += tl.sum(r2[:, None] * a2, axis=0)
             dsv += tl.sum(do / count[:, None], axis=0)
     if STORE_FINAL:
-        tl.store(dsf_ptr + pid_bk * 2 * DD + s_off, dS1, mask=s_mask)
-        tl.store(dsf_ptr + pid_bk * 2 * DD + DD + s_off, dS2, mask=s_mask)
-        if pid_v == 0:
-            tl.store(dzvf_ptr + pid_bk * 3 * D + k_cols, dz1, mask=k_ok)
-            tl.store(dzvf_ptr + pid_bk * 3 * D + D + k_cols, dz2, mask=k_ok)
-        if pid_k == 0:
-            tl.store(dzvf_ptr + pid_bk * 3 * D + 2 * D + v_cols, dsv, mask=v_ok)
+        _store_states(dsf_ptr, dzvf_ptr, pid_bk, pid_k, pid_v, k_cols, v_cols, D, dS1, dS2, dz1,
+                      dz2, dsv)
 
 
 @triton.jit
