@@ -265,11 +265,6 @@ def _build_config(args):
         raise BenchError(err.getvalue().strip().splitlines()[-1]) from None
 
 
-def _padded_vocab(args) -> int:
-    multiple = (args.make_vocab_size_divisible_by or 1) * args.tensor_model_parallel_size
-    return -(-args.vocab_size // multiple) * multiple
-
-
 @dataclasses.dataclass
 class Plan:
     contexts: List[int]
@@ -293,6 +288,8 @@ def plan(argv: Optional[List[str]] = None) -> Plan:
     """Every argument checked, every arm's trainer arguments and config built; nothing on the
     device yet. Raises BenchError naming the flag."""
     import torch  # noqa: PLC0415
+
+    from megatron_subq.training.tokenizer import padded_vocab_size  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -356,7 +353,9 @@ def plan(argv: Optional[List[str]] = None) -> Plan:
             except BenchError as e:
                 raise BenchError(f"--variants {arm.label}: {e}" if arm.knobs else str(e)) \
                     from None
-            arm.vocab = _padded_vocab(arm.args)
+            arm.vocab = padded_vocab_size(arm.args.vocab_size,
+                                          arm.args.make_vocab_size_divisible_by or 1,
+                                          arm.args.tensor_model_parallel_size)
         arm.config = _build_config(arm.args)
         if arm.variant not in arm.config.layer_variants:
             raise BenchError(f"--variants {arm.label}: no layer of the model takes {arm.variant!r} "
