@@ -188,17 +188,22 @@ class NonapproxChunkFunction(torch.autograd.Function):
 
 def _add_score_grad(dq, dk, q, k, at, g, G: int):
     """Add the gradient ``g`` [B, H] of the score s_j (j = ``at`` [B, H], per query head) to dq
-    and dk (dk summed over the GQA group): s = SiLU(q)·k / √D."""
+    and dk (dk at the head's key/value head, summed over the GQA group in fp32): s = SiLU(q)·k
+    / √D. One row of q and k per head is read, no GQA-repeated copy of k."""
     B, T, H, D = q.shape
-    idx = at[:, None, :, None].expand(B, 1, H, D)
-    qj = q.gather(1, idx).float()  # [B, 1, H, D]
-    kj = (k.repeat_interleave(G, dim=2) if G > 1 else k).gather(1, idx).float()
+    b = torch.arange(B, device=q.device)[:, None].expand(B, H)
+    h = torch.arange(H, device=q.device)[None, :].expand(B, H)
+    qj, kj = q[b, at, h].float(), k[b, at, h // G].float()  # [B, H, D]
     sig = torch.sigmoid(qj)
-    gs = (g / math.sqrt(D))[:, None, :, None]
-    dq.scatter_add_(1, idx, (gs * kj * sig * (1.0 + qj * (1.0 - sig))).to(dq.dtype))
-    dk_h = torch.zeros(B, T, H, D, dtype=torch.float32, device=q.device)
-    dk_h.scatter_add_(1, idx, gs * qj * sig)
-    dk += dk_h.view(B, T, H // G, G, D).sum(dim=3).to(dk.dtype)
+    gs = (g / math.sqrt(D))[..., None]
+    dq.index_put_((b, at, h), (gs * kj * sig * (1.0 + qj * (1.0 - sig))).to(dq.dtype),
+                  accumulate=True)
+    # a GQA group's heads may hit the same key row: summed in fp32, then added to dk once
+    acc = dk if dk.dtype == torch.float32 else torch.zeros(dk.shape, dtype=torch.float32,
+                                                            device=dk.device)
+    acc.index_put_((b, at, h // G), gs * qj * sig, accumulate=True)
+    if acc is not dk:
+        dk += acc.to(dk.dtype)
 
 
 def nonapprox_attention_kernel(q, k, v, state=None, output_final_state: bool = False):
