@@ -439,6 +439,17 @@ def _state_dict(model, optimizer, scheduler, with_optimizer: bool, with_rng: boo
     return state
 
 
+def _finish_param_gather(model) -> None:
+    """Finish the parameter all-gather before weights are read outside a forward: with
+    --overlap-param-gather a step updates only this DP rank's shard and the others arrive in the
+    next forward's pre-hooks, so a save would hold them one step stale (as Megatron-LM, sync
+    first). The forced gather counts as dispatched: that forward does not gather again."""
+    for chunk in model:
+        # megatron DDP sets use_forward_hook for use_distributed_optimizer + overlap_param_gather
+        if getattr(chunk, "use_forward_hook", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -462,6 +473,7 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler, consumed_
                 shutil.rmtree(stale)
         os.makedirs(partial)
     _barrier()
+    _finish_param_gather(model)
     metadata = optimizer_metadata(args)
     state = _state_dict(model, optimizer, scheduler, with_optimizer=args.save_optim,
                         with_rng=args.save_rng, is_loading=False, optim_metadata=metadata)
