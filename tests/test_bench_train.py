@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "bench_train.py"
@@ -88,15 +89,87 @@ def test_shape_without_recipe_rmsnorm_swiglu(tmp_path):
     (["--arm", "ours=ours:--num-layers 0"], "--arm ours (ours)"),
     (["--arm", "ours=ours:--no-such-flag 1"], "--arm ours (ours)"),
     (["--global-batch-size", "3"], "--global-batch-size 3"),
+    (["--profile-arms", "ours"], "--profile-arms ours: needs --profile"),
+    (["--profile", "PROF", "--profile-arms", "ours,nope"], "--profile-arms 'ours,nope': nope"),
+    (["--arm", "a=anchor:--subq-fused-norm"], "--arm a: --subq-fused-norm"),
+    (["--arm", "a=anchor:--subq-fused-rope"], "--arm a: --subq-fused-rope"),
 ])
 def test_bad_input_is_refused_before_anything_runs(argv, names, capsys, tmp_path):
     tool = _tool()
+    argv = [str(tmp_path / "prof") if a == "PROF" else a for a in argv]
     with pytest.raises(SystemExit) as e:
         tool.main([*TINY, "--in-process", "--json", str(tmp_path / "x.json"), *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert names in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_anchor_with_selective_recompute(tmp_path, capsys):
+    """The anchor arm honours its own --recompute-granularity selective: the config has it, the
+    built model checkpoints every layer's core attention (megatron's DotProductAttention, whose
+    recomputation runs on the CPU too), and the losses equal the anchor's without recompute; the
+    attention-memory estimate is printed before the arms run and kept in the JSON. Only the arm
+    --profile-arms names is profiled."""
+    out, prof = tmp_path / "bench.json", tmp_path / "prof"
+    rc = _tool().main([*TINY, "--in-process", "--json", str(out), "--arm", "anchor=anchor",
+                       "--arm", "sel=anchor:--recompute-granularity selective",
+                       "--profile", str(prof), "--profile-arms", "sel"])
+    assert rc == 0
+    plain, sel = json.loads(out.read_text())["arms"]
+    assert "error" not in plain and "error" not in sel, (plain.get("log_tail"),
+                                                          sel.get("log_tail"))
+    assert plain["recompute"] == {"granularity": None, "modules": None,
+                                  "core_attention_checkpointed_layers": 0}
+    assert sel["recompute"] == {"granularity": "selective", "modules": ["core_attn"],
+                                "core_attention_checkpointed_layers": 2}  # tiny-cpu: 2 layers
+    assert sel["last_loss"] == pytest.approx(plain["last_loss"], rel=1e-6)
+    # tiny-cpu: mb 2 x 4 heads x 64^2 fp32 scores, 4 bytes each kept per layer
+    est = sel["attention_memory_estimate"]
+    assert est["held_per_layer_gib"] * 2 ** 30 == 2 * 4 * 64 * 64 * 4
+    assert est["held_all_layers_gib"] == 0 and plain["attention_memory_estimate"][
+        "held_all_layers_gib"] == 2 * est["held_per_layer_gib"]
+    printed = capsys.readouterr().out
+    assert "anchor sel: megatron's unfused DotProductAttention" in printed
+    assert "this arm recomputes it (--recompute-granularity selective)" in printed
+    assert "if that does not fit, give the arm --recompute-granularity selective" in printed
+    assert sorted(p.name for p in prof.iterdir()) == ["sel.top30.txt", "sel.trace.json.gz"]
+    assert plain["profile"] is None and sel["profile"]["table"].endswith("sel.top30.txt")
+
+
+OOM_LOG = """[rank0]: Traceback (most recent call last):
+[rank0]:   File "tools/bench_train.py", line 420, in run_worker
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a \
+total capacity of 139.81 GiB of which 1.2 GiB is free.
+E1127 04:00:00 torch/distributed/elastic/multiprocessing/api.py failed (exitcode: 1)
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+tools/bench_train.py FAILED"""
+
+
+def test_out_of_memory_is_reported_short(tmp_path, monkeypatch, capsys):
+    """An arm that runs out of memory says ``out of memory at mb N`` (table and JSON), the failed
+    allocation kept as ``oom_detail``; a child's log (torchrun's last error line is its own
+    ChildFailedError) and an arm run in this process alike."""
+    tool = _tool()
+    arm = {"name": "anchor", "kind": "anchor", "flags": []}
+    r = tool._result(arm, str(tmp_path / "none.json"), 1, OOM_LOG, 1.0, 8)
+    assert r["error"] == "out of memory at mb 8" and r["oom"] is True
+    assert "Tried to allocate 4.00 GiB" in r["oom_detail"]
+    plain = tool._result(arm, str(tmp_path / "none.json"), 1, "ValueError: bad\nlast", 1.0, 8)
+    assert plain["error"] == "ValueError: bad" and "oom" not in plain
+
+    from megatron_subq.training import trainer
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB.")
+
+    monkeypatch.setattr(trainer, "train_step", oom)
+    out = tmp_path / "bench.json"
+    rc = tool.main([*TINY, "--in-process", "--json", str(out), "--arm", "anchor=anchor"])
+    assert rc == 1
+    (r,) = json.loads(out.read_text())["arms"]
+    assert r["error"] == "out of memory at mb 2" and "3.00 GiB" in r["oom_detail"]
+    assert "failed: out of memory at mb 2" in capsys.readouterr().out
 
 
 def test_dry_run_prints_each_arms_flags(capsys, tmp_path):
