@@ -4,8 +4,10 @@ profile tables, and the refusals of bad input before anything runs."""
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,53 @@ def test_no_shape_is_refused():
     tool = _tool()
     with pytest.raises(SystemExit):
         tool.main(["--steps", "1"])
+
+
+SCRIPT = ROOT / "tools" / "gpu_train_bench.sh"
+
+
+def _dry_script(tmp_path, **env):
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "DRY": "1", "OUT": str(out), **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_gpu_script_dry_run_returns_at_most_four_files(tmp_path):
+    """gpu_train_bench.sh's DRY run (CPU, tiny model; two arms here, all five in the slow test):
+    the summary, the JSON, one tarball of logs and top-30 tables, the traces' tar: no more than 4
+    files come back (a device call returns 8), the anchor's memory estimate in the summary."""
+    out, printed = _dry_script(tmp_path, ARMS="--arm ours=ours --arm 'anchor=anchor:"
+                                              "--recompute-granularity selective'",
+                               PROFILE_ARMS="ours")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench.tgz", "bench_train.json", "bench_train.txt", "traces.tar"]
+    with tarfile.open(out / "bench.tgz") as t:
+        names = set(t.getnames())
+    assert {"arms/ours.log", "arms/anchor.log", "arms/ours.json", "arms/recipe.yaml",
+            "profile/ours.top30.txt"} <= names and "profile/anchor.top30.txt" not in names
+    with tarfile.open(out / "traces.tar") as t:
+        assert t.getnames() == ["profile/ours.trace.json.gz"]
+    summary = (out / "bench_train.txt").read_text()
+    assert "DRY run on the CPU" in summary and "this arm recomputes it" in summary
+    anchor = json.loads((out / "bench_train.json").read_text())["arms"][1]
+    assert anchor["recompute"]["granularity"] == "selective" and "error" not in anchor
+
+
+@pytest.mark.slow
+def test_gpu_script_dry_run_default_arms(tmp_path):
+    """The five default arms (ours, ours-fused, anchor with selective recompute, asa, asa-fused)
+    all run on the CPU; the fused arms have every fusion flag on."""
+    out, _ = _dry_script(tmp_path)
+    assert len(list(out.iterdir())) <= 4
+    arms = {r["name"]: r for r in json.loads((out / "bench_train.json").read_text())["arms"]}
+    assert list(arms) == ["ours", "ours-fused", "anchor", "asa", "asa-fused"]
+    assert all("error" not in r for r in arms.values()), {n: r.get("error") for n, r in
+                                                          arms.items()}
+    assert arms["ours-fused"]["fusions"] == arms["asa-fused"]["fusions"] == list(
+        _tool().FUSION_FLAGS)
+    assert arms["ours"]["fusions"] == arms["asa"]["fusions"] == []
 
 
 @pytest.mark.slow

@@ -80,6 +80,10 @@ DROPPED_KEYS = (
     "lr-wsd-decay-iters", "exit-duration-in-mins", "exit-signal-handler", "exit-interval",
     "eval-interval", "eval-iters", "log-interval", "mock-data")
 TOP = 30
+# the trainer's fusion flags that run without TE/apex (docs/training.md, "Fused kernels"): each
+# arm's JSON lists those it has on
+FUSION_FLAGS = ("subq-fused-norm", "subq-fused-rope", "bias-swiglu-fusion", "bias-dropout-fusion",
+                "cross-entropy-loss-fusion", "subq-fused-adam")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -524,7 +528,8 @@ def run_worker(opts, argv) -> int:
                 "dtype": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                 "distributed_optimizer": bool(args.use_distributed_optimizer),
                 "optimizer": args.optimizer, "optimizer_step": True,
-                "fused_adam": bool(args.subq_fused_adam), "recompute": recompute,
+                "fusions": [f for f in FUSION_FLAGS if getattr(args, f.replace("-", "_"))],
+                "recompute": recompute,
                 "padded_vocab": vocab, "tokens_per_step": tokens,
                 "flops_per_step": flops, "warmup_steps": opts.warmup, "timed_steps": opts.steps,
                 "step_times_s": times, "step_time_mean_s": mean,
