@@ -41,13 +41,13 @@ Each arm runs in its own process (``torchrun --nproc-per-node N`` when ``--nproc
 ``--warmup`` untimed steps, then ``--steps`` timed steps (each between two device syncs, the max
 over ranks); then, with ``--profile DIR``, one more step under ``torch.profiler`` (chrome trace
 ``DIR/ARM.trace.json.gz`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA
-time, self CPU time on the CPU), for the arms ``--profile-arms`` names (default: all). Per arm: step time mean/stdev/min, tokens/s (total and per
-GPU), model FLOPs per step from ``megatron_subq.training.flops`` (the anchor counted as standard
-attention, so a standard-attention ``ours`` counts exactly the anchor's FLOPs), TFLOP/s per GPU,
-MFU against
-``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``: H100/H200 989; none on
-the CPU unless given), peak memory; then each arm's ratios against the first anchor arm. A table
-goes to stdout and everything to ``--json``. An arm that fails is reported with its error (an
+time, self CPU time on the CPU), for the arms ``--profile-arms`` names (default: all). Per arm:
+step time mean/stdev/min, tokens/s (total and per GPU), model FLOPs per step from
+``megatron_subq.training.flops`` (the anchor counted as standard attention, so a
+standard-attention ``ours`` counts exactly the anchor's FLOPs; recomputation adds none), TFLOP/s
+per GPU, MFU against ``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``:
+H100/H200 989; none on the CPU unless given), peak memory; then each arm's ratios against the
+first anchor arm. A table goes to stdout and everything to ``--json``. An arm that fails is reported with its error (an
 out-of-memory as ``out of memory at mb N``, the allocation that failed in the JSON's
 ``oom_detail``); the others still run.
 """

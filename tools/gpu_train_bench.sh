@@ -5,8 +5,8 @@
 #   ours-fused  the same with every fusion that runs without TE/apex ($FUSED below: the Triton
 #               RMSNorm and RoPE, megatron-core's SwiGLU, bias-dropout-add and cross-entropy
 #               fusions, torch's fused AdamW; docs/training.md, "Fused kernels")
-#   anchor      megatron-core's GPTModel, local spec, megatron-core's optimizer, real optimizer step,
-#               with --recompute-granularity selective: its unfused DotProductAttention keeps
+#   anchor      megatron-core's GPTModel, local spec, megatron-core's optimizer, real optimizer
+#               step, with --recompute-granularity selective: its unfused DotProductAttention keeps
 #               3 GiB of attention probabilities per layer (72 GiB over 24 layers) and ran out of
 #               memory without it even on a 139 GiB H200; selective recompute of core attention
 #               is what a Megatron-LM user does (bench_train.py prints the estimate per arm)
@@ -65,7 +65,8 @@ else
   # without a carried Triton cache)
   arms=(--arm ours=ours --arm "ours-fused=ours:$FUSED"
         --arm "anchor=anchor:--recompute-granularity selective"
-        --arm "asa=ours:--attention-variant asa" --arm "asa-fused=ours:--attention-variant asa $FUSED")
+        --arm "asa=ours:--attention-variant asa"
+        --arm "asa-fused=ours:--attention-variant asa $FUSED")
 fi
 work=$(mktemp -d)
 profile=(--profile "$work/profile")
