@@ -47,9 +47,9 @@ step time mean/stdev/min, tokens/s (total and per GPU), model FLOPs per step fro
 standard-attention ``ours`` counts exactly the anchor's FLOPs; recomputation adds none), TFLOP/s
 per GPU, MFU against ``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``:
 H100/H200 989; none on the CPU unless given), peak memory; then each arm's ratios against the
-first anchor arm. A table goes to stdout and everything to ``--json``. An arm that fails is reported with its error (an
-out-of-memory as ``out of memory at mb N``, the allocation that failed in the JSON's
-``oom_detail``); the others still run.
+first anchor arm. A table goes to stdout and everything to ``--json``. An arm that fails is
+reported with its error (an out-of-memory as ``out of memory at mb N``, the allocation that
+failed in the JSON's ``oom_detail``); the others still run.
 """
 
 from __future__ import annotations
