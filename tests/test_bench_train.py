@@ -132,7 +132,7 @@ def test_anchor_with_selective_recompute(tmp_path, capsys):
     assert est["held_all_layers_gib"] == 0 and plain["attention_memory_estimate"][
         "held_all_layers_gib"] == 2 * est["held_per_layer_gib"]
     printed = capsys.readouterr().out
-    assert "anchor sel: megatron's unfused DotProductAttention" in printed
+    assert "arm sel (anchor): megatron's unfused DotProductAttention" in printed
     assert "this arm recomputes it (--recompute-granularity selective)" in printed
     assert "if that does not fit, give the arm --recompute-granularity selective" in printed
     assert sorted(p.name for p in prof.iterdir()) == ["sel.top30.txt", "sel.trace.json.gz"]

@@ -303,7 +303,8 @@ def _size(gib: float) -> str:
 def describe_anchor_memory(name: str, args, est: dict) -> str:
     """One line for an anchor arm: the estimate, and what this arm's recompute does to it."""
     dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    head = (f"anchor {name}: megatron's unfused DotProductAttention, mb {args.micro_batch_size} x "
+    head = (f"arm {name} (anchor): megatron's unfused DotProductAttention, mb "
+            f"{args.micro_batch_size} x "
             f"{args.num_attention_heads // args.tensor_model_parallel_size} heads x "
             f"{args.seq_length}^2 scores ({dtype}): keeps {_size(est['held_per_layer_gib'])} per "
             f"layer for backward, {_size(est['held_without_recompute_gib'])} over "
