@@ -25,6 +25,11 @@ GPU machine. Each patch says what it answers:
 8. ``pin_memory=True`` (and ``Tensor.pin_memory()``) under the mode of 4 -> unpinned: RoPE's
    per-context-parallel-rank index (``rope_utils.get_pos_emb_on_this_cp_rank``) pins a CPU
    tensor, which needs an accelerator.
+9. ``tensor_parallel.random.CheckpointFunction.backward`` runs under the mode of 4: activation
+   recomputation re-runs the forward inside autograd's backward, where torch does not carry the
+   mode (Python function modes are not active in a custom Function's backward), so megatron's
+   local ``DotProductAttention`` recomputed under ``--recompute-granularity selective`` met its
+   ``device="cuda"`` causal mask (``transformer/utils.py: get_default_causal_mask``) unpatched.
 """
 
 from __future__ import annotations
@@ -149,6 +154,15 @@ def install_cpu_fallbacks() -> bool:
             continue
         if hasattr(mod, "get_cuda_rng_tracker"):
             mod.get_cuda_rng_tracker = tp_random.get_cuda_rng_tracker
+
+    checkpoint_backward = tp_random.CheckpointFunction.backward  # 9
+
+    @functools.wraps(checkpoint_backward)
+    def backward_under_mode(ctx, *grads):
+        with CudaToCpuMode():
+            return checkpoint_backward(ctx, *grads)
+
+    tp_random.CheckpointFunction.backward = staticmethod(backward_under_mode)
 
     CudaToCpuMode().__enter__()  # 4: stays active for the life of the process
     _INSTALLED = True

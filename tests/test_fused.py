@@ -345,6 +345,7 @@ def _error(argv, capsys):
     (["--cross-entropy-loss-fusion", "--bf16", "--cross-entropy-fusion-impl", "te"],
      "--cross-entropy-fusion-impl"),
     (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion"),  # fp32: needs --bf16
+    (["--subq-fused-adam", "--optimizer", "sgd"], "--subq-fused-adam"),
 ])
 def test_bad_fusion_flags_name_the_flag(extra, flag, capsys):
     if (flag in ("--apply-rope-fusion", "--cross-entropy-fusion-impl")
@@ -365,6 +366,136 @@ def test_fused_norm_with_layernorm_names_its_flag(capsys):
 
 
 # ---- GPU: bf16 at real shapes -----------------------------------------------------------
+# ---- --subq-fused-adam ---------------------------------------------------------------------
+def _spy_runs(monkeypatch):
+    """Each pretrain() run's megatron optimizer, and the calls of torch's fused Adam kernel."""
+    from torch.optim import adam
+
+    from megatron_subq.training import trainer
+
+    seen, fused_calls = [], []
+    step, fused = trainer.train_step, adam._fused_adam
+
+    def train_step(args, model, optimizer, *rest):
+        if not seen or seen[-1] is not optimizer:
+            seen.append(optimizer)
+        return step(args, model, optimizer, *rest)
+
+    def fused_adam(*a, **kw):
+        fused_calls.append(len(seen))
+        return fused(*a, **kw)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    monkeypatch.setattr(adam, "_fused_adam", fused_adam)
+    return seen, fused_calls
+
+
+def _inner(optimizer):
+    from megatron_subq.training.fused_adam import inner_optimizers
+
+    (inner,) = inner_optimizers(optimizer)
+    return inner
+
+
+def _plain(value):
+    """A checkpoint's common state as comparable values (tensors: dtype, device, values)."""
+    if torch.is_tensor(value):
+        return ("tensor", str(value.dtype), value.device.type, value.tolist())
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _fused_adam_round_trip(flags, tmp_path, monkeypatch, rel):
+    """4 iterations with --subq-fused-adam give the foreach losses (within ``rel``) with torch's
+    fused kernel called every step; the checkpoints saved with and without it hold the same
+    tensors and the same optimizer common state (param groups' fused/foreach, the step); a
+    checkpoint saved without the flag resumes with it and vice versa, each resume giving the
+    uninterrupted run's losses, its param groups and steps as the resuming run's flag wants."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    from megatron_subq.training import pretrain
+
+    seen, fused_calls = _spy_runs(monkeypatch)
+    flags = flags + ["--train-iters", "4", "--lr", "1e-2", "--save-interval", "2"]
+    on_flag = ["--subq-fused-adam"]
+    off = pretrain(flags + ["--save", str(tmp_path / "off")])["iterations"]
+    assert not fused_calls
+    on = pretrain(flags + on_flag + ["--save", str(tmp_path / "on")])["iterations"]
+    groups = len(_inner(seen[1]).param_groups)  # torch's step runs its kernel once per group
+    assert fused_calls == [2] * 4 * groups  # every step of the second run, none of the first
+    assert sorted(on) == sorted(off) == [1, 2, 3, 4]
+    for it in off:
+        assert on[it] == pytest.approx(off[it], rel=rel, abs=0), (it, on, off)
+    # the same optimizer state keys in the live optimizers, and flag-independent state dicts
+    a, b = (_inner(o) for o in seen)
+    assert [sorted(g) for g in a.param_groups] == [sorted(g) for g in b.param_groups]
+    assert [sorted(st) for st in a.state.values()] == [sorted(st) for st in b.state.values()]
+    assert all(g["fused"] is True and g["foreach"] is False for g in b.param_groups)
+    assert all(g["fused"] is None and g["foreach"] is None for g in a.param_groups)
+    assert _plain({k: v for k, v in b.state_dict().items() if k != "state"}) == \
+        _plain({k: v for k, v in a.state_dict().items() if k != "state"})
+    for name in ("iter_0000002", "iter_0000004"):
+        saved = [str(tmp_path / run / name) for run in ("off", "on")]
+        assert sorted(load_sharded_metadata(saved[0])) == sorted(load_sharded_metadata(saved[1]))
+        common = [dist_checkpointing.load_common_state_dict(f)["optimizer"] for f in saved]
+        assert _plain(common[0]) == _plain(common[1])
+    # resume across the flag, from iteration 2: the uninterrupted run's iterations 3 and 4
+    for saved, flag, reference, fused in (("off", on_flag, off, True), ("on", [], on, False)):
+        del seen[:], fused_calls[:]
+        resumed = pretrain(flags + flag + ["--load", str(tmp_path / saved), "--ckpt-step", "2",
+                                           "--save", str(tmp_path / f"from-{saved}")])
+        assert sorted(resumed["iterations"]) == [3, 4]
+        for it in (3, 4):
+            assert resumed["iterations"][it] == pytest.approx(reference[it], rel=rel, abs=0)
+        inner = _inner(seen[0])
+        assert fused_calls == ([1] * 2 * groups if fused else [])
+        assert all((g["fused"], g["foreach"]) == ((True, False) if fused else (None, None))
+                   for g in inner.param_groups)
+        steps = [(p, inner.state[p]["step"]) for g in inner.param_groups for p in g["params"]]
+        assert all(s.dtype == torch.float32 and float(s) == 4.0 for _, s in steps)
+        # where torch keeps it: the parameter's device when fused, else the CPU
+        assert all(s.device == (p.device if fused else torch.device("cpu")) for p, s in steps)
+        assert len({id(s) for _, s in steps}) == len(steps)  # one step tensor per parameter
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["optimizer", "distributed"])
+def test_fused_adam_same_losses_and_checkpoints_either_way(distributed, tmp_path, monkeypatch):
+    """fp32 on the CPU (torch 2.13 fuses Adam there too): losses within 1e-6."""
+    _fused_adam_round_trip(MIN + (["--use-distributed-optimizer"] if distributed else []),
+                           tmp_path, monkeypatch, rel=1e-6)
+
+
+def test_set_fused_adam_notes_and_refusals():
+    """TE's/apex's FusedAdam is left alone with a note; an SGD or a parameter torch's fused Adam
+    refuses is an error naming the flag; switching off restores the built implementation."""
+    from types import SimpleNamespace
+
+    from megatron_subq.training.fused_adam import set_fused_adam
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    adam = SimpleNamespace(optimizer=torch.optim.AdamW([p]))
+    assert "fused" in set_fused_adam(adam, True)
+    assert adam.optimizer.param_groups[0]["fused"] is True
+    assert set_fused_adam(adam, False) == ""
+    assert (adam.optimizer.param_groups[0]["fused"], adam.optimizer.param_groups[0]["foreach"]) \
+        == (None, None)
+    apex_adam = type("FusedAdam", (torch.optim.Optimizer,), {"__module__": "apex.optimizers"})(
+        [p], {})
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=apex_adam),
+                                                  SimpleNamespace(optimizer=None)])
+    assert "fused already: nothing changed" in set_fused_adam(chained, True)
+    with pytest.raises(ValueError, match="--subq-fused-adam.*allowed: --optimizer adam"):
+        set_fused_adam(SimpleNamespace(optimizer=torch.optim.SGD([p], lr=0.1)), True)
+    meta = SimpleNamespace(optimizer=torch.optim.AdamW([torch.nn.Parameter(
+        torch.zeros(3, device="meta"))]))
+    with pytest.raises(ValueError, match="--subq-fused-adam.*on meta"):
+        set_fused_adam(meta, True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("hidden", [2048, 2688])
 def test_fused_rmsnorm_bf16_real_shapes_gpu(hidden):
@@ -409,6 +540,14 @@ def test_fusions_train_like_the_unfused_path_gpu():
     on = pretrain(flags + FUSIONS + ["--cross-entropy-loss-fusion"])["iterations"]
     for it in (1, 2, 3):
         assert on[it] == pytest.approx(off[it], rel=2e-2), (it, on, off)
+
+
+@pytest.mark.gpu
+def test_fused_adam_round_trip_gpu(tmp_path, monkeypatch):
+    """On CUDA fused Adam keeps ``step`` on the GPU: a CPU-step checkpoint resumes fused and a
+    fused run's checkpoint resumes unfused (the distributed optimizer, fp32 math)."""
+    _fused_adam_round_trip(MIN + ["--use-distributed-optimizer"], tmp_path, monkeypatch,
+                           rel=1e-5)
 
 
 def _fused_tp2_sp_against_tp1():

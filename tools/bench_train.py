@@ -17,7 +17,18 @@ Arms (``--arm NAME=KIND[:TRAINER FLAGS]``, repeatable; default ``ours=ours ancho
   megatron's unfused ``DotProductAttention``, its local linear layers and norms), the same shape,
   wrapped and stepped the same way with megatron-core's optimizer (the distributed optimizer when
   the recipe asks for it), the same LR settings, micro-batch and sequence, and a REAL optimizer step
-  (the earlier anchor was timed fwd+bwd only; the JSON says which this is).
+  (the earlier anchor was timed fwd+bwd only; the JSON says which this is). Its attention keeps
+  the [mb, heads, seq, seq] probabilities of every layer for backward (fp32 softmax output and
+  its bf16 copy: 3 GiB per layer at mb 8 x 16 heads x 2048, 72 GiB over the 1.3B's 24 layers),
+  which did not fit beside the rest of the 1.3B step even on a 139 GiB H200; Megatron-LM's
+  remedy is ``--recompute-granularity selective`` (core attention recomputed in backward,
+  megatron-core's default ``recompute_modules``), given as the arm's flag
+  (``--arm "anchor=anchor:--recompute-granularity selective"``, what gpu_train_bench.sh runs).
+  Before running, each anchor arm's line gives this estimate (``anchor_attention_memory``: from
+  megatron-core 0.16.1's code, not measured); the JSON has it and each arm's ``recompute`` (the
+  config's granularity and how many attention layers the built model checkpoints). The anchor
+  refuses ``--subq-fused-norm``/``--subq-fused-rope`` (its spec is megatron's: they would be
+  ignored); megatron-core's own fusions and ``--subq-fused-adam`` (the optimizer) apply to it.
 
 Every arm gets the same trainer flags: the recipe (``recipes/NAME.yaml`` or a path; its data,
 checkpoint, logging and schedule-length keys dropped), then ``--`` flags given after ``--`` (any
@@ -30,14 +41,15 @@ Each arm runs in its own process (``torchrun --nproc-per-node N`` when ``--nproc
 ``--warmup`` untimed steps, then ``--steps`` timed steps (each between two device syncs, the max
 over ranks); then, with ``--profile DIR``, one more step under ``torch.profiler`` (chrome trace
 ``DIR/ARM.trace.json.gz`` and ``DIR/ARM.top30.txt``: the 30 ops/kernels with the most self CUDA
-time, self CPU time on the CPU). Per arm: step time mean/stdev/min, tokens/s (total and per
-GPU), model FLOPs per step from ``megatron_subq.training.flops`` (the anchor counted as standard
-attention, so a standard-attention ``ours`` counts exactly the anchor's FLOPs), TFLOP/s per GPU,
-MFU against
-``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``: H100/H200 989; none on
-the CPU unless given), peak memory; then each arm's ratios against the first anchor arm. A table
-goes to stdout and everything to ``--json``. An arm that fails (e.g. out of memory) is reported
-with its error; the others still run.
+time, self CPU time on the CPU), for the arms ``--profile-arms`` names (default: all). Per arm:
+step time mean/stdev/min, tokens/s (total and per GPU), model FLOPs per step from
+``megatron_subq.training.flops`` (the anchor counted as standard attention, so a
+standard-attention ``ours`` counts exactly the anchor's FLOPs; recomputation adds none), TFLOP/s
+per GPU, MFU against ``--peak-tflops`` or the GPU's bf16 dense peak (``flops.PEAK_TFLOPS``:
+H100/H200 989; none on the CPU unless given), peak memory; then each arm's ratios against the
+first anchor arm. A table goes to stdout and everything to ``--json``. An arm that fails is
+reported with its error (an out-of-memory as ``out of memory at mb N``, the allocation that
+failed in the JSON's ``oom_detail``); the others still run.
 """
 
 from __future__ import annotations
@@ -68,6 +80,10 @@ DROPPED_KEYS = (
     "lr-wsd-decay-iters", "exit-duration-in-mins", "exit-signal-handler", "exit-interval",
     "eval-interval", "eval-iters", "log-interval", "mock-data")
 TOP = 30
+# the trainer's fusion flags that run without TE/apex (docs/training.md, "Fused kernels"): each
+# arm's JSON lists those it has on
+FUSION_FLAGS = ("subq-fused-norm", "subq-fused-rope", "bias-swiglu-fusion", "bias-dropout-fusion",
+                "cross-entropy-loss-fusion", "subq-fused-adam")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -104,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="peak TFLOP/s per GPU for MFU (default: the GPU's bf16 dense peak)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="trace one more step per arm: DIR/ARM.trace.json.gz, DIR/ARM.top30.txt")
+    p.add_argument("--profile-arms", default=None, metavar="NAME,...",
+                   help="with --profile: trace only these arms (comma-separated names; default: "
+                        "every arm)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--logs", default=None, metavar="DIR",
                    help="each arm's log, trainer config and JSON here (default: a temp folder)")
@@ -234,7 +253,69 @@ def check_trainer_flags(parser, arm, argv, world):
                          "(--hybrid-override-pattern) has no anchor")
         if getattr(args, "num_experts", None):
             parser.error(f"--arm {arm['name']}: the anchor arm takes no MoE (--num-experts)")
+        for flag in ("subq_fused_norm", "subq_fused_rope"):
+            if getattr(args, flag, False):
+                parser.error(f"--arm {arm['name']}: --{flag.replace('_', '-')} replaces a part "
+                             "of this package's spec; the anchor is megatron-core's local spec, "
+                             "which would ignore it; allowed on the anchor: megatron-core's own "
+                             "fusions (--bias-swiglu-fusion, --bias-dropout-fusion, "
+                             "--cross-entropy-loss-fusion) and --subq-fused-adam")
     return args
+
+
+GIB = 2 ** 30
+
+
+def anchor_attention_memory(args) -> dict:
+    """What the anchor's attention (megatron-core 0.16.1's unfused ``DotProductAttention``, its
+    ``FusedScaleMaskSoftmax`` on the torch path) needs for its [mb, heads/TP, seq, seq] scores,
+    in GiB, read from that code (an estimate, not a measurement):
+
+    * ``held_per_layer``: kept from forward to backward: the fp32 softmax output (what softmax's
+      backward reads) and, in bf16/fp16, its half copy (what ``probs @ V`` saves): 6 bytes per
+      score (4 in fp32). ``held_all_layers``: that times this stage's layers, unless
+      ``--recompute-granularity`` recomputes core attention (``selective`` with megatron-core's
+      default ``recompute_modules``, or ``full``): then nothing is kept across layers.
+    * ``one_layer_peak``: while one layer's attention runs forward or backward (recomputed or
+      not): scores, their fp32 copy, the softmax output and the gradients, about 14 bytes per
+      score in bf16/fp16 (12 in fp32), plus megatron's persistent score buffer
+      (``global_memory_buffer``, 2 or 4 bytes).
+    """
+    half = bool(args.bf16 or args.fp16)
+    heads = args.num_attention_heads // args.tensor_model_parallel_size
+    scores = args.micro_batch_size * heads * args.seq_length ** 2
+    layers = math.ceil(args.num_layers / args.pipeline_model_parallel_size)
+    recomputed = args.recompute_granularity in ("selective", "full")
+    held = scores * (6 if half else 4) / GIB
+    return {
+        "scores_per_layer": scores, "layers": layers,
+        "recompute_granularity": args.recompute_granularity,
+        "held_per_layer_gib": held, "held_all_layers_gib": 0.0 if recomputed else held * layers,
+        "held_without_recompute_gib": held * layers,
+        "one_layer_peak_gib": scores * ((14 + 2) if half else (12 + 4)) / GIB,
+        "source": "estimate from megatron-core 0.16.1's DotProductAttention code, not measured"}
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 1 else f"{gib * 1024:.2f} MiB"
+
+
+def describe_anchor_memory(name: str, args, est: dict) -> str:
+    """One line for an anchor arm: the estimate, and what this arm's recompute does to it."""
+    dtype = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    head = (f"arm {name} (anchor): megatron's unfused DotProductAttention, mb "
+            f"{args.micro_batch_size} x "
+            f"{args.num_attention_heads // args.tensor_model_parallel_size} heads x "
+            f"{args.seq_length}^2 scores ({dtype}): keeps {_size(est['held_per_layer_gib'])} per "
+            f"layer for backward, {_size(est['held_without_recompute_gib'])} over "
+            f"{est['layers']} layers")
+    if est["recompute_granularity"]:
+        return (head + f"; this arm recomputes it (--recompute-granularity "
+                f"{est['recompute_granularity']}): none kept, about "
+                f"{_size(est['one_layer_peak_gib'])} while one layer runs (estimate)")
+    return (head + f" (estimate); if that does not fit, give the arm --recompute-granularity "
+            f"selective (none kept, about {_size(est['one_layer_peak_gib'])} while one layer "
+            "runs)")
 
 
 def parse(argv):
@@ -277,6 +358,16 @@ def parse(argv):
     names = [a["name"] for a in arms]
     if len(set(names)) != len(names):
         parser.error(f"--arm: arm names must differ ({', '.join(names)})")
+    opts.profiled = set(names)
+    if opts.profile_arms is not None:
+        if not opts.profile:
+            parser.error(f"--profile-arms {opts.profile_arms}: needs --profile DIR")
+        wanted = [n.strip() for n in opts.profile_arms.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown or not wanted:
+            parser.error(f"--profile-arms {opts.profile_arms!r}: {', '.join(unknown) or 'no name'}"
+                         f" is not an arm; allowed: comma-separated names of {', '.join(names)}")
+        opts.profiled = set(wanted)
     import torch  # noqa: PLC0415
 
     cuda = torch.cuda.is_available()
@@ -362,6 +453,16 @@ def run_worker(opts, argv) -> int:
             model = T.wrap_model(args, config, bare)
             layers = "megatron-core local spec (DotProductAttention)"
         n_params = T.count_parameters(model)
+        from megatron.core.transformer.attention import Attention  # noqa: PLC0415
+
+        selective = config.recompute_granularity == "selective"
+        recompute = {
+            "granularity": config.recompute_granularity,
+            "modules": list(config.recompute_modules or []) if selective else None,
+            # the attention layers of the built model whose core runs under a checkpoint
+            "core_attention_checkpointed_layers": sum(
+                1 for chunk in model for m in chunk.modules()
+                if isinstance(m, Attention) and m.checkpoint_core_attention)}
         optimizer, scheduler = T.build_optimizer(args, model)
         T.set_step_hooks(args, config, model, optimizer)
         args.eod_token = tokenizer.eod
@@ -428,6 +529,8 @@ def run_worker(opts, argv) -> int:
                 "dtype": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                 "distributed_optimizer": bool(args.use_distributed_optimizer),
                 "optimizer": args.optimizer, "optimizer_step": True,
+                "fusions": [f for f in FUSION_FLAGS if getattr(args, f.replace("-", "_"))],
+                "recompute": recompute,
                 "padded_vocab": vocab, "tokens_per_step": tokens,
                 "flops_per_step": flops, "warmup_steps": opts.warmup, "timed_steps": opts.steps,
                 "step_times_s": times, "step_time_mean_s": mean,
@@ -451,12 +554,12 @@ def run_worker(opts, argv) -> int:
 # ------------------------------------------------------------------------------------------------
 # the parent: every arm, the table, the JSON
 # ------------------------------------------------------------------------------------------------
-def run_arm(opts, arm, argv, folder) -> dict:
+def run_arm(opts, arm, argv, folder, micro_batch=None) -> dict:
     out = os.path.join(folder, arm["name"] + ".json")
     tool = os.path.abspath(__file__)
     own = ["--worker", arm["kind"], "--worker-name", arm["name"], "--worker-out", out,
            "--warmup", str(opts.warmup), "--steps", str(opts.steps)]
-    if opts.profile:
+    if opts.profile and arm["name"] in opts.profiled:
         own += ["--profile", os.path.abspath(opts.profile)]
     if opts.nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -477,7 +580,7 @@ def run_arm(opts, arm, argv, folder) -> dict:
     wall = time.monotonic() - started
     with open(os.path.join(folder, arm["name"] + ".log"), "w", encoding="utf-8") as f:
         f.write(log)
-    return _result(arm, out, rc, log, wall)
+    return _result(arm, out, rc, log, wall, micro_batch)
 
 
 def _subprocess(opts, cmd):
@@ -494,18 +597,29 @@ def _subprocess(opts, cmd):
     return rc, log
 
 
-def _result(arm, out, rc, log, wall) -> dict:
+OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUDA error: out of memory")
+
+
+def _result(arm, out, rc, log, wall, micro_batch=None) -> dict:
+    """The arm's JSON, or its error: ``out of memory at mb N`` for an out-of-memory (the line
+    saying what failed to allocate kept as ``oom_detail``), else the last error line."""
     if rc == 0 and os.path.isfile(out):
         with open(out, encoding="utf-8") as f:
             result = json.load(f)
     else:
         lines = [ln for ln in log.splitlines() if ln.strip() and "Warning" not in ln
                  and "warnings.warn" not in ln]
-        error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln),
-                     lines[-1] if lines else "no output")
-        result = {"kind": arm["kind"], "error": error.strip(), "returncode": rc,
+        oom = next((ln for ln in reversed(lines) if any(m in ln for m in OOM_MARKERS)), None)
+        if oom is not None:
+            error = f"out of memory at mb {micro_batch if micro_batch is not None else '?'}"
+        else:
+            error = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln),
+                         lines[-1] if lines else "no output").strip()
+        result = {"kind": arm["kind"], "error": error, "returncode": rc,
                   "log_tail": "\n".join(lines[-25:])}
-        print(f"   arm {arm['name']} failed (exit {rc}): {error.strip()}", flush=True)
+        if oom is not None:
+            result.update(oom=True, oom_detail=oom.strip()[:300])
+        print(f"   arm {arm['name']} failed (exit {rc}): {error}", flush=True)
     result.update(name=arm["name"], arm_flags=arm["flags"], wall_s=wall)
     return result
 
@@ -544,17 +658,18 @@ def ratios(results: list) -> dict:
 
 
 def table(report: dict) -> str:
-    rows = [("arm", "kind", "params", "step ms (sd)", "tokens/s", "tok/s/GPU", "TFLOP/s/GPU",
-             "MFU", "peak GB", "vs anchor")]
+    rows = [("arm", "kind", "recompute", "params", "step ms (sd)", "tokens/s", "tok/s/GPU",
+             "TFLOP/s/GPU", "MFU", "peak GB", "vs anchor")]
     rat = report["ratios"]
     for r in report["arms"]:
+        recompute = (r.get("recompute") or {}).get("granularity") or "-"
         if "error" in r:
-            rows.append((r["name"], r["kind"], "-", "failed: " + r["error"][:60], "", "", "", "",
-                         "", ""))
+            rows.append((r["name"], r["kind"], recompute, "-", "failed: " + r["error"][:60], "",
+                         "", "", "", "", ""))
             continue
         vs = rat.get(r["name"], {}).get("tokens_per_s")
         rows.append((
-            r["name"], r["kind"], f"{r['parameters'] / 1e6:.1f}M",
+            r["name"], r["kind"], recompute, f"{r['parameters'] / 1e6:.1f}M",
             f"{r['step_time_mean_s'] * 1e3:.1f} ({r['step_time_stdev_s'] * 1e3:.1f})",
             f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s_per_gpu']:,.0f}",
             f"{r['tflops_per_gpu']:.3f}", f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "-",
@@ -580,7 +695,10 @@ def make_report(opts, argv, folder, results, pending) -> dict:
         "device": device, "dtype": opts.dtype, "nproc": opts.nproc, "recipe": opts.recipe,
         "warmup": opts.warmup, "steps": opts.steps, "data": opts.data_path or "mock",
         "anchor_note": "anchor = megatron-core GPTModel + get_gpt_layer_local_spec, megatron-core "
-                       "optimizer with a real optimizer step (the earlier anchor was fwd+bwd only)",
+                       "optimizer with a real optimizer step (the earlier anchor was fwd+bwd only);"
+                       " its unfused DotProductAttention keeps every layer's attention "
+                       "probabilities unless the arm recomputes core attention: see each arm's "
+                       "recompute and attention_memory_estimate",
         "flops_note": "model FLOPs of megatron_subq.training.flops; the anchor counted as the "
                       "standard variant",
         "logs": folder, "arms": results, "ratios": ratios(results),
@@ -602,10 +720,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - an unreadable recipe is a start-up error
             parser.error(f"--recipe {opts.recipe}: {type(e).__name__}: {e}")
     # every arm's flags are checked before any arm runs
-    argvs = {}
+    argvs, micro_batches, estimates = {}, {}, {}
     for arm in arms:
         argv_arm = trainer_argv(opts, config_file, common, arm)
         args = check_trainer_flags(parser, arm, argv_arm, opts.nproc)
+        micro_batches[arm["name"]] = args.micro_batch_size
+        if arm["kind"] == "anchor":
+            estimates[arm["name"]] = anchor_attention_memory(args)
+            print(describe_anchor_memory(arm["name"], args, estimates[arm["name"]]), flush=True)
         if opts.global_batch_size is None:
             gbs = args.micro_batch_size * args.data_parallel_size
             argv_arm += ["--global-batch-size", str(gbs)]
@@ -622,7 +744,9 @@ def main(argv=None) -> int:
         return 0
     results = []
     for i, arm in enumerate(arms):
-        result = run_arm(opts, arm, argvs[arm["name"]], folder)
+        result = run_arm(opts, arm, argvs[arm["name"]], folder, micro_batches[arm["name"]])
+        if arm["name"] in estimates:
+            result["attention_memory_estimate"] = estimates[arm["name"]]
         add_mfu(result, opts.peak_tflops)
         results.append(result)
         report = make_report(opts, argv, folder, results, arms[i + 1:])

@@ -844,7 +844,8 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     """megatron-core's own fusions under Megatron-LM's flag names (docs/training.md, "Fused
     kernels"). Off by default here (Megatron-LM defaults most on): the local spec's unfused path
     stays the default until the A/B measurements are in. ``--subq-fused-norm`` (this package's
-    Triton RMSNorm) is a config field, in the variant group."""
+    Triton RMSNorm) is a config field, in the variant group; ``--subq-fused-adam`` (torch's fused
+    Adam for megatron-core's optimizer) is an optimizer flag here, not a model one."""
     g = parser.add_argument_group(
         "fusions", "megatron-core's fused ops that run without Transformer Engine or apex; "
         "the flags naming one that needs them are refused at start-up")
@@ -871,6 +872,12 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     _bool_flag(g, "--gradient-accumulation-fusion", False,
                "weight-gradient GEMMs accumulating into main_grad (apex's "
                "fused_weight_gradient_mlp_cuda; refused without it)")
+    _bool_flag(g, "--subq-fused-adam", False,
+               "torch's fused Adam/AdamW (fused=True, foreach=False: one kernel per step) for "
+               "megatron-core's torch optimizer, which it builds with torch's default foreach "
+               "implementation without TE/apex; the same update, CUDA or CPU parameters; "
+               "checkpoints do not depend on it (megatron_subq/training/fused_adam.py); needs "
+               "--optimizer adam")
 
 
 def _importable(module: str) -> bool:
@@ -920,6 +927,10 @@ def check_fusions(parser, args) -> None:
         parser.error("--gradient-accumulation-fusion needs apex's fused_weight_gradient_mlp_cuda "
                      "extension, which is not importable here; allowed: "
                      "--no-gradient-accumulation-fusion")
+    if args.subq_fused_adam and args.optimizer != "adam":
+        parser.error("--subq-fused-adam switches torch's Adam/AdamW to its fused "
+                     f"implementation; --optimizer {args.optimizer} is not Adam; allowed: "
+                     "--optimizer adam, or --no-subq-fused-adam")
     if getattr(args, "subq_fused_norm", False) and have_te:
         parser.error("--subq-fused-norm replaces the local spec's norm, but Transformer Engine is "
                      "in use (its norm is fused already); allowed: --no-subq-fused-norm")

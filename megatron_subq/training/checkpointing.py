@@ -46,6 +46,8 @@ from megatron.core.dist_checkpointing.serialization import (
 )
 from megatron.core.dist_checkpointing.validation import StrictHandling
 
+from .fused_adam import set_fused_adam
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
 
@@ -567,6 +569,8 @@ def load_checkpoint(args, model, optimizer, scheduler, log=print) -> Tuple[int, 
         if metadata.get("distrib_optim_sharding_type") == "dp_reshardable" and \
                 common.get("adam_steps") is not None:
             _restore_adam_steps(optimizer, common["adam_steps"])
+        # the loaded param groups carry the saving run's fused/foreach: this run's choice again
+        set_fused_adam(optimizer, bool(getattr(args, "subq_fused_adam", False)))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     elif optimizer is not None:
         optimizer.reload_model_params()  # fp32 main params from the loaded weights

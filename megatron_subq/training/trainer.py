@@ -37,6 +37,7 @@ from .checkpointing import (
 from .data import build_datasets, make_loader, to_device
 from .exits import ExitConditions
 from .flops import flops_per_iteration, peak_tflops, unmodelled_variants
+from .fused_adam import set_fused_adam
 from .metrics import MetricsLogger
 from .tokenizer import build_tokenizer
 
@@ -313,6 +314,12 @@ def build_optimizer(args, model):
         overlap_param_gather=args.overlap_param_gather)
     optimizer = get_megatron_optimizer(config, model,
                                        config_overrides=get_standard_config_overrides(config))
+    if args.subq_fused_adam:
+        try:
+            note = set_fused_adam(optimizer, True)
+        except ValueError as e:
+            arguments.fail(args, str(e))
+        print_rank_0(f"> --subq-fused-adam: {note or 'no parameters on this rank'}")
 
     # as Megatron-LM's get_optimizer_param_scheduler: steps are counted in samples
     gbs = args.global_batch_size
