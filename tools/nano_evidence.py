@@ -278,6 +278,7 @@ class Run:
                            "corpus": self.corpus, "deadline_s": round(self.deadline - self.t0),
                            "iterations": {}, "notes": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.data_jobs: Dict[str, Job] = {}
 
     # -- bookkeeping ----------------------------------------------------------------------------
     def log(self, *msg) -> None:
@@ -300,9 +301,9 @@ class Run:
         return Job(name, cmd, log or os.path.join(self.logs, f"{name}.log"), self.env, nice)
 
     def need(self, jobs: List[Job], what: str) -> None:
-        bad = [j for j in jobs if j.poll() != 0]
+        bad = [f"{j.name} (exit {j.rc}, log {j.log})" for j in jobs if j.poll() != 0]
         if bad:
-            raise RuntimeError(f"{what}: {', '.join(f'{j.name} (exit {j.rc}, log {j.log})' for j in bad)}")
+            raise RuntimeError(f"{what}: {', '.join(bad)}")
 
     # -- configs --------------------------------------------------------------------------------
     def _shape(self) -> dict:
@@ -354,7 +355,7 @@ class Run:
                        vocab_size=int(tok["vocab-size"]),
                        template_repeats=int(tok.get("template-repeats", 1)))
         self.log(f"prep: tokenizer ({tok['vocab-size']} tokens) in {self.hf_random}")
-        jobs: Dict[str, Job] = {}
+        jobs = self.data_jobs  # filled as they start: stopped at the end whatever happens
         lm = [PY, "tools/preprocess_data.py", "--input", self.corpus, "--output-prefix",
               os.path.join(self.data, "lm"), "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", self.hf_random, "--workers", str(self.workers),
@@ -644,15 +645,17 @@ class Run:
         self.log(f"nano_evidence: {self.info['mode']}, arms {','.join(self.arms)}, "
                  f"{self.left():.0f} s to the deadline, work {self.work}")
         self.save_info()
-        self.data_jobs: Dict[str, Job] = {}
         try:
-            self.data_jobs = self.prep()
+            self.prep()
             self.base_run(self.data_jobs)
             self.curricula = self.arms_setup(self.data_jobs)
             self.train_and_before()
             self.after()
-        except RuntimeError as e:
-            self.info["notes"].append(f"stopped: {e}")
+        except Exception as e:  # noqa: BLE001 - the summary says what stopped the run
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
+            self.info["notes"].append(f"stopped: {type(e).__name__}: {e}")
             self.log(f"error: {e}")
             return 1
         finally:
