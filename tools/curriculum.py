@@ -13,8 +13,8 @@ A curriculum file names the HF folder (``hf``), the output folder (``out``), the
 complete trainer YAML beside the curriculum file, its ``nodes`` and its NIAH training data
 ``niah: {lengths, samples-per-cell, seed}``), the NIAH options shared by the stages (``niah``:
 depths, needles, corpus, skip-documents, workers: processes making and tokenizing them), the
-evaluation grid (``eval``) and the export
-(``export: {hf-out}``).
+evaluation grid (``eval``; ``input``: samples made beforehand) and the export (``export:
+{hf-out}``).
 
 Contract:
 - **Every stage config is checked before anything runs** (``check`` does only that): the keys a

@@ -767,26 +767,26 @@ def summary(work: str) -> str:
                 lengths |= set(r["lengths"])
             table.append((arm, when, r))
     lengths = sorted(lengths)
-    out += ["| arm | when | checkpoint (iteration) | "
-            + " | ".join(_len_label(n) for n in lengths) + " | all | answer log-prob |",
-            "|---|---|---|" + "---|" * (len(lengths) + 2)]
+    head = ["arm", "when", "checkpoint (iteration)", *[_len_label(n) for n in lengths], "all",
+            "answer log-prob"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     after = info.get("after", {})
     for arm, when, r in table:
         if r is None:
             out.append(f"| {arm} | {when} | not run |" + " |" * (len(lengths) + 2))
             continue
         what = "import" if when == "before" else after.get(arm, {}).get("checkpoint", "?")
-        cells = " | ".join(f"{r['lengths'][n][0]:.2f}" if n in r["lengths"] else ""
-                           for n in lengths)
-        out.append(f"| {arm} | {when} | {what} ({r['iteration']}) | {cells} | "
-                   f"{r['accuracy']:.2f} | {r['logprob']:.2f} |")
+        cells = [f"{r['lengths'][n][0]:.2f}" if n in r["lengths"] else "" for n in lengths]
+        out.append("| " + " | ".join([arm, when, f"{what} ({r['iteration']})", *cells,
+                                      f"{r['accuracy']:.2f}", f"{r['logprob']:.2f}"]) + " |")
     out += ["", "Accuracy per length over every depth (0–100 %); cells per depth in the "
             "heatmaps (`niah-heatmaps.png`, and each eval's `niah.png`). The answer log-prob "
             "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
             "accuracy.", ""]
     # throughput
     out += ["## Training: tokens/s per stage", "",
-            "| run | seq | iterations (planned) | tokens | train s | tokens/s | loss first → last |",
+            "| run | seq | iterations (planned) | tokens | train s | tokens/s "
+            "| loss first → last |",
             "|---|---|---|---|---|---|---|"]
     its = info.get("iterations", {})
 
