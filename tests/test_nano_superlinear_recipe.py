@@ -188,6 +188,18 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     assert compared > 20 and not torch.equal(end1["embedding.word_embeddings.weight"],
                                              imported["embedding.word_embeddings.weight"])
 
+    # the import evaluates too (the "before" of tools/nano_evidence.py): its checkpoint names no
+    # tokenizer, the one the import kept in hf_files is taken
+    from tools import niah as niah_tool
+
+    before = niah_tool.main(["eval", "--load", os.path.join(o, "import"), "--lengths", "192",
+                             "--depths", "50", "--samples-per-cell", "1", "--corpus", CORPUS,
+                             "--skip-documents", "100", "--output",
+                             os.path.join(tmp, "before.json"), "--no-progress"])
+    assert before["iteration"] == 0 and before["attention_variant"] == "superlinear"
+    assert before["settings"]["tokenizer"] == "HuggingFaceTokenizer:" + os.path.join(
+        o, "import", "hf_files")
+
     # the NIAH evaluation over 2 lengths x 3 depths
     result = done["eval"]
     assert [(c["length"], c["depth"]) for c in result["cells"]] == [
@@ -207,6 +219,9 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     assert config["auto_map"] and config["superlinear_backward_factor"] == 2.0
     assert any(n.startswith("modeling_") and n.endswith(".py") for n in os.listdir(hf_out))
     assert any(n.endswith(".safetensors") for n in os.listdir(hf_out))
+    # the import's tokenizer goes with it (the stages' saves keep none)
+    assert open(os.path.join(hf_out, "tokenizer.json")).read() == open(
+        os.path.join(o, "import", "hf_files", "tokenizer.json")).read()
 
 
 @pytest.mark.slow

@@ -90,6 +90,37 @@ def test_deterministic_per_seed_and_cell(hf_dir):
         assert s.needle_positions[0] == s.needle_position and s.answer == " " + s.values[0]
 
 
+def test_workers_make_the_same_samples(hf_dir, tmp_path):
+    tok = _tokenizer("bytelevel", hf_dir)
+    pool = niah.load_pool(tok, CORPUS, niah.pool_tokens_for([600]))
+    one = niah.generate_samples(tok, [300, 600], [0, 50, 100], 3, seed=4, pool=pool)
+    three = niah.generate_samples(tok, [300, 600], [0, 50, 100], 3, seed=4, pool=pool,
+                                  workers=3)
+    assert [s.to_record() for s in three] == [s.to_record() for s in one]
+    with pytest.raises(ValueError, match="--workers 0: allowed an integer >= 1"):
+        niah.generate_samples(tok, [300], [0], 1, pool=pool, workers=0)
+    out = str(tmp_path / "w.jsonl")
+    niah_tool.main(["generate", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                    hf_dir, "--lengths", "300,600", "--depths", "0,50,100",
+                    "--samples-per-cell", "3", "--seed", "4", "--corpus", CORPUS,
+                    "--workers", "2", "--output", out, "--no-progress"])
+    assert [{**json.loads(x), "tokenizer": ""} for x in open(out)] == [s.to_record()
+                                                                        for s in one]
+
+
+def test_long_prompts_fit_a_fine_byte_level_bpe(tmp_path):
+    """Sentences tokenized together take more tokens than alone in a byte-level BPE of 8192
+    tokens (merges across the joining spaces): at 4K tokens the haystack overshot by ~40 tokens,
+    more than the retries' 4-token steps took off, and the sample failed; the retries now take
+    the measured overshoot off."""
+    pytest.importorskip("tokenizers")
+    train_niah_bpe(CORPUS, str(tmp_path), documents=1000, vocab_size=8192, template_repeats=50)
+    tok = build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+    pool = niah.load_pool(tok, CORPUS, niah.pool_tokens_for([16384]))
+    s = niah.make_sample(pool, tok, 4096, 50, 2, seed=0)  # failed before
+    assert len(tok.tokenize(s.prompt)) == 4096 and s.prompt.count(s.query_value) == 1
+
+
 def test_train_format_and_flag_grids(tmp_path, hf_dir):
     common = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir,
               "--lengths", "500", "--depths", "0,50,...,100", "--seed", "3", "--corpus", CORPUS,

@@ -12,8 +12,9 @@ A curriculum file names the HF folder (``hf``), the output folder (``out``), the
 (``import: {save, seed, init-method-std}``), the stages in order (``stages``: each ``config``, a
 complete trainer YAML beside the curriculum file, its ``nodes`` and its NIAH training data
 ``niah: {lengths, samples-per-cell, seed}``), the NIAH options shared by the stages (``niah``:
-depths, needles, corpus, skip-documents), the evaluation grid (``eval``) and the export
-(``export: {hf-out}``).
+depths, needles, corpus, skip-documents, workers: processes making and tokenizing them), the
+evaluation grid (``eval``; ``input``: samples made beforehand) and the export (``export:
+{hf-out}``).
 
 Contract:
 - **Every stage config is checked before anything runs** (``check`` does only that): the keys a
@@ -361,7 +362,8 @@ def niah_data_step(cur: Curriculum, st: Stage, log=print) -> None:
             "--depths", str(shared.get("depths", "0,5,...,100")),
             "--samples-per-cell", str(st.niah["samples-per-cell"]),
             "--needles", str(shared.get("needles", 1)), "--seed", str(st.niah["seed"]),
-            "--format", "train", "--output", jsonl, "--no-progress"]
+            "--format", "train", "--output", jsonl, "--no-progress",
+            "--workers", str(shared.get("workers", 1))]
     if shared.get("corpus"):
         argv += ["--corpus", str(shared["corpus"])]
     if shared.get("skip-documents"):
@@ -369,7 +371,7 @@ def niah_data_step(cur: Curriculum, st: Stage, log=print) -> None:
     log(f"== stage {st.index} NIAH data: tools/niah.py {' '.join(argv)}")
     niah_tool.main(argv)
     preprocess_data.main(["--input", jsonl, "--output-prefix", prefix[:-len("_text_document")],
-                          *tok, "--workers", "1", "--no-progress"])
+                          *tok, "--workers", str(shared.get("workers", 1)), "--no-progress"])
 
 
 def _trainer_cmd(nproc: int) -> List[str]:
@@ -437,7 +439,7 @@ def eval_step(cur: Curriculum, nproc: int = 1, log=print) -> Optional[dict]:
         "--samples-per-cell", str(spec.get("samples-per-cell", 5)),
         "--seed", str(spec.get("seed", 9001)), "--output", result, "--no-progress"]
     for key in ("corpus", "skip-documents", "tensor-model-parallel-size", "max-batch-tokens",
-                "needles"):
+                "needles", "input"):  # input: samples made beforehand (generate --format eval)
         if spec.get(key) is not None:
             cmd += [f"--{key}", str(spec[key])]
     if spec.get("plot", True):

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", required=True,
                    help="a SentencePiece .model, 'mistral', or a tokenizer.json (folder)")
     g.add_argument("--output", required=True)
+    g.add_argument("--workers", type=int, default=1,
+                   help="processes making the samples (the same samples for any number; "
+                        "default 1)")
     g.add_argument("--format", default="eval", choices=("eval", "train"),
                    help="eval: full records (prompt, answer, positions, keys); train: "
                         '{"text": prompt + answer} for tools/preprocess_data.py (default eval)')
@@ -69,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     _grid_flags(e, lengths_required=False)
     e.add_argument("--load", required=True, help="checkpoint root (as the trainer's --load)")
     e.add_argument("--ckpt-step", type=int, default=None)
+    e.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="default the checkpoint's; an import (tools/convert_checkpoint.py) "
+                        "stores none and its tokenizer files are taken (LOAD/hf_files/)")
+    e.add_argument("--tokenizer-model", default=None,
+                   help="default the checkpoint's (with --tokenizer-type)")
     e.add_argument("--tensor-model-parallel-size", type=int, default=1)
     e.add_argument("--input", default=None,
                    help="score these samples (generate --format eval) instead of generating "
@@ -112,6 +120,8 @@ def cmd_generate(args, parser) -> dict:
     from megatron_subq.training.tokenizer import build_tokenizer  # noqa: PLC0415
 
     lengths, depths, samples = _grid(args, parser, 1)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: allowed an integer >= 1")
     _check_output(parser, "--output", args.output)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
@@ -123,7 +133,7 @@ def cmd_generate(args, parser) -> dict:
     name = f"{args.tokenizer_type}:{args.tokenizer_model}"
     out = niah.generate_samples(tokenizer, lengths, depths, samples, args.needles, args.seed,
                                 pool=pool, tokenizer_name=name,
-                                progress=not args.no_progress)
+                                progress=not args.no_progress, workers=args.workers)
     if args.format == "train":
         records = [{"text": s.prompt + s.answer} for s in out]
     else:
@@ -162,7 +172,18 @@ def cmd_eval(args, parser) -> dict:
         parser.error(f"--load {args.load}: no checkpoint there (--ckpt-step {args.ckpt_step})")
     try:
         ck, _ = checkpoint_namespace(saved_args(folder), folder)
-        tokenizer = build_tokenizer(ck.tokenizer_type, ck.tokenizer_model, ck.vocab_size)
+        tok_type = args.tokenizer_type or ck.tokenizer_type
+        tok_model = args.tokenizer_model or (ck.tokenizer_model if not args.tokenizer_type
+                                             else None)
+        side = os.path.join(args.load, "hf_files")
+        if tok_type is None and os.path.isfile(os.path.join(side, "tokenizer.json")):
+            # an import keeps the HF folder's tokenizer beside the checkpoint, not in its args
+            tok_type, tok_model = "HuggingFaceTokenizer", side
+        if tok_type is None:
+            raise ValueError(f"--load {args.load}: the checkpoint names no tokenizer; give "
+                             "--tokenizer-type and --tokenizer-model")
+        tokenizer = build_tokenizer(tok_type, tok_model, ck.vocab_size)
+        ck.tokenizer_type, ck.tokenizer_model = tok_type, tok_model
         if ck.tokenizer_type == "NullTokenizer":
             raise ValueError(f"--load {args.load}: the checkpoint was trained with "
                              "NullTokenizer, which has no text; NIAH needs a text tokenizer")
@@ -192,7 +213,8 @@ def cmd_eval(args, parser) -> dict:
             print(f"niah: warning: --input was generated with {sorted(other)}, the checkpoint's "
                   f"tokenizer is {name}: prompt lengths are re-counted in the checkpoint's")
 
-    loaded = load_for_inference(args.load, args.ckpt_step, args.tensor_model_parallel_size)
+    loaded = load_for_inference(args.load, args.ckpt_step, args.tensor_model_parallel_size,
+                                tokenizer_type=tok_type, tokenizer_model=tok_model)
     try:
         results = niah.evaluate_samples(loaded.model, loaded.tokenizer, samples,
                                         args.max_batch_tokens, progress=not args.no_progress)

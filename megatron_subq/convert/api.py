@@ -459,7 +459,8 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
               log=print) -> ConversionSummary:
     """Write the checkpoint in ``load`` (the tracker's iteration, or ``ckpt_step``) as an HF
     folder ``hf_out`` (new or empty): safetensors shards of at most ``max_shard_size`` (+ index),
-    config.json, and the tokenizer files an import kept. The architecture is the one of
+    config.json, and the tokenizer files an import kept (in ``load``, else in the import folder
+    ``hf_config`` names). The architecture is the one of
     ``hf_config`` (a config.json; default: the one an import stored in ``load``), else inferred
     from the model's flags. A NemotronH model with Superlinear '*' slots is written for the
     remote code the project ships (``convert/remote``: files copied in, ``auto_map``; load with
@@ -538,6 +539,10 @@ def export_hf(load: str, hf_out: str, *, ckpt_step: Optional[int] = None,
                                             progress=_progress(progress, "export"))
         code = _write_hf_config(tmp, cfg, family)
         side = os.path.join(load, HF_FILES)
+        if not os.path.isdir(side) and hf_config is not None:
+            # a run that trained from an import keeps no tokenizer: take the import's
+            ref = hf_config if os.path.isdir(hf_config) else os.path.dirname(hf_config)
+            side = os.path.join(ref, HF_FILES)
         if os.path.isdir(side):
             for n in os.listdir(side):
                 shutil.copyfile(os.path.join(side, n), os.path.join(tmp, n))

@@ -343,13 +343,14 @@ def make_sample(pool: SentencePool, tokenizer, length: int, depth: float, index:
     rng = random.Random(f"niah:{seed}:{length}:{_int_or_float(depth)}:{index}")
     n_pool = len(pool.sentences)
     start = rng.randrange(n_pool)
+    shrink = 0  # tokens the sentences took beyond their own counts in a failed attempt
     for attempt in range(8):
         keys, values = _keys_values(rng, needles)
         needle_texts = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
         fixed = count_tokens(tokenizer, PREFIX) + count_tokens(tokenizer,
                                                                QUESTION.format(key=keys[0]))
         needle_counts = [count_tokens(tokenizer, t) for t in needle_texts]
-        budget = length - fixed - sum(needle_counts) - 4 * attempt
+        budget = length - fixed - sum(needle_counts) - 4 * attempt - shrink
         sentences, counts, total = [], [], 0
         i = start
         while len(sentences) < n_pool and total + pool.tokens[i % n_pool] <= budget:
@@ -379,6 +380,11 @@ def make_sample(pool: SentencePool, tokenizer, length: int, depth: float, index:
         fitted = _fit_lead(tokenizer, length, source, word_counts, j, sentences, needle_at,
                            keys[0])
         if fitted is None:
+            # sentences tokenized together can take more tokens than alone (a byte-level BPE
+            # merges across the joining spaces differently): when even no lead words overshoot,
+            # the next attempt's budget leaves that overshoot out
+            bare, _ = _assemble([], sentences, needle_at, keys[0])
+            shrink += max(0, count_tokens(tokenizer, bare) - length)
             continue
         text, starts, ids = fitted
         # every needle and value exactly once (a value could occur in the corpus)
@@ -456,26 +462,63 @@ def _fit_lead(tokenizer, length: int, source: List[str], word_counts: List[int],
     return None
 
 
+# what the worker processes of generate_samples(workers > 1) share, inherited through fork
+_SHARED: dict = {}
+
+
+def _make_shared(cell) -> NiahSample:
+    n, d, i = cell
+    return make_sample(_SHARED["pool"], _SHARED["tokenizer"], n, d, i, _SHARED["seed"],
+                       _SHARED["needles"], _SHARED["name"])
+
+
 def generate_samples(tokenizer, lengths: Sequence[int], depths: Sequence[float],
                      samples_per_cell: int = 1, needles: int = 1, seed: int = 0,
                      corpus: str = DEFAULT_CORPUS, json_key: str = "text",
                      skip_documents: int = 0, pool: Optional[SentencePool] = None,
-                     tokenizer_name: str = "", progress: bool = False) -> List[NiahSample]:
+                     tokenizer_name: str = "", progress: bool = False,
+                     workers: int = 1) -> List[NiahSample]:
     """Samples for every (length, depth) cell, ``samples_per_cell`` each, in length, depth,
     index order. Validates the settings first (ValueError naming the flag); ``pool`` reuses
-    sentences already read (else ``load_pool`` on ``corpus``)."""
+    sentences already read (else ``load_pool`` on ``corpus``). ``workers`` > 1 makes the samples
+    in that many forked processes (the same samples: each depends on its cell only)."""
     lengths, depths = check_settings(lengths, depths, samples_per_cell, needles)
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"--workers {workers}: allowed an integer >= 1")
     check_lengths(tokenizer, lengths, needles)
     if pool is None:
         pool = load_pool(tokenizer, corpus, pool_tokens_for(lengths), json_key, skip_documents)
     cells = [(n, d, i) for n in lengths for d in depths for i in range(samples_per_cell)]
-    it: Iterable = cells
+    bar = None
     if progress:
         from tqdm import tqdm  # noqa: PLC0415
 
-        it = tqdm(cells, desc="niah generate", unit="sample")
-    return [make_sample(pool, tokenizer, n, d, i, seed, needles, tokenizer_name)
-            for n, d, i in it]
+        bar = tqdm(total=len(cells), desc="niah generate", unit="sample")
+    workers = min(workers, len(cells))
+    out: List[NiahSample] = []
+    if workers == 1:
+        for n, d, i in cells:
+            out.append(make_sample(pool, tokenizer, n, d, i, seed, needles, tokenizer_name))
+            if bar is not None:
+                bar.update(1)
+    else:
+        import multiprocessing  # noqa: PLC0415
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked Rust tokenizers
+        _SHARED.update(pool=pool, tokenizer=tokenizer, seed=seed, needles=needles,
+                       name=tokenizer_name)
+        try:
+            with multiprocessing.get_context("fork").Pool(workers) as procs:
+                chunk = max(1, min(64, len(cells) // (4 * workers)))
+                for sample in procs.imap(_make_shared, cells, chunksize=chunk):
+                    out.append(sample)
+                    if bar is not None:
+                        bar.update(1)
+        finally:
+            _SHARED.clear()
+    if bar is not None:
+        bar.close()
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue 23's "Evidence on one GPU" in ONE device call (one H100, at most 570 s of the call): a
+# Nano-shaped hybrid (a random NemotronH saved with transformers, imported through the converter,
+# trained briefly on docs text + NIAH, exported to HF) run through the Superlinear recipe at
+# 4K -> 8K -> 16K twice, side by side: imported with Superlinear surgery, and kept dense. NIAH
+# heatmaps before (the imports) and after (the last stage), tokens/s per stage. The logic is
+# tools/nano_evidence.py; the settings recipes/nemotron-3-nano-superlinear/one-gpu/ (its
+# evidence.yaml); the reasons recipes/nemotron-3-nano-superlinear/README.md, "Evidence on one GPU".
+#
+# Before the call (here, once): the wheels and the corpus
+#   bash ../shared/tools/device-wheels.sh && mkdir -p data && cp ../shared/data/docs-corpus.jsonl.xz data/
+# The device call (kind nvidia-h100-x1, carry [".whl", "data"]):
+#   export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_nano_evidence.sh
+# $OUT gets two files: nano-evidence.tgz (configs, logs, metrics, NIAH JSON + heatmaps, the
+# summary; no checkpoints, weights or data) and nano-evidence.md (the summary, also printed).
+# Back here: mkdir -p /tmp/ne && tar -xzf <files_at>/nano-evidence.tgz -C /tmp/ne
+#
+# Arms: the first argument, a comma list of evidence.yaml's arms (default superlinear,standard);
+# an unknown name stops the script (exit 2) before anything is written.
+# DRY=1 (implied without nvidia-smi): the same pipeline at CPU sizes (evidence.yaml's dry block:
+# a tiny NemotronH, lengths 256/512/1024, a few steps) in a few minutes.
+# Knobs: CALL_T0 (the call's start, epoch s; default now), CALL_LIMIT (570 s from CALL_T0, the
+# wheels' install included), RESERVE (20 s kept for the summary and the tarball), OUT
+# (runs/nano-evidence-out), WORK (runs/nano-evidence; replaced when it holds an earlier run),
+# BASE_ITERS / STAGE_ITERS=A,B,C / FIXED_ITERS=1 (iterations instead of sizing them to the clock).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+arms=${1:-superlinear,standard}
+DRY=${DRY:-}
+if [ -z "$DRY" ] && ! command -v nvidia-smi > /dev/null; then DRY=1; fi
+CALL_T0=${CALL_T0:-$(date +%s)}
+CALL_LIMIT=${CALL_LIMIT:-570}
+RESERVE=${RESERVE:-20}
+OUT=${OUT:-runs/nano-evidence-out}
+WORK=${WORK:-runs/nano-evidence}
+dry_flag=${DRY:+--dry}
+# bad input stops here, before anything is written
+python3 tools/nano_evidence.py check --arms "$arms" $dry_flag || exit 2
+if [ -e "$WORK" ]; then
+  if [ -f "$WORK/timings.json" ] || [ -z "$(ls -A "$WORK")" ]; then rm -rf "$WORK"
+  else echo "error: WORK=$WORK exists and holds no earlier run of this script; set WORK" >&2; exit 2; fi
+fi
+mkdir -p "$WORK" "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/nano_evidence_triton}
+# NVLink multicast stays off on the shared machines (see the device notes)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -n "$DRY" ]; then
+  echo "gpu_nano_evidence.sh: DRY run on the CPU (tiny sizes)"
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+else
+  nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$WORK/gpu.txt"
+fi
+deadline=$(( CALL_T0 + CALL_LIMIT - RESERVE ))
+# the driver ends its steps by the deadline; timeout is the backstop that leaves the packing time
+timeout -k 5 $(( deadline - $(date +%s) + 10 )) \
+  python3 tools/nano_evidence.py run --arms "$arms" --work "$WORK" $dry_flag --t0 "$CALL_T0" \
+  --deadline "$deadline" ${BASE_ITERS:+--base-iters "$BASE_ITERS"} \
+  ${STAGE_ITERS:+--stage-iters "$STAGE_ITERS"} ${FIXED_ITERS:+--fixed-iters} 2>&1 \
+  | tee "$WORK/driver.log"
+rc=${PIPESTATUS[0]}
+# always: the summary (printed) and the one tarball, whatever ran
+python3 tools/nano_evidence.py pack --work "$WORK" --tarball "$OUT/nano-evidence.tgz" \
+  --summary "$OUT/nano-evidence.md" || rc=1
+echo "gpu_nano_evidence.sh: exit $rc, $(( $(date +%s) - CALL_T0 )) s since CALL_T0; files in $OUT"
+exit "$rc"

@@ -1,0 +1,924 @@
+#!/usr/bin/env python
+"""Evidence on one GPU (issue 23): a Nano-shaped hybrid through the Superlinear recipe at
+4K -> 8K -> 16K, next to the same model kept dense (recipes/nemotron-3-nano-superlinear/README.md,
+"Evidence on one GPU"; settings in recipes/nemotron-3-nano-superlinear/one-gpu/).
+tools/gpu_nano_evidence.sh runs it in one device call.
+
+    python tools/nano_evidence.py check [--arms superlinear,standard]
+    python tools/nano_evidence.py run [--arms A,B] [--work runs/nano-evidence] [--dry]
+        [--t0 EPOCH] [--deadline EPOCH] [--base-iters N] [--stage-iters A,B,C] [--fixed-iters]
+    python tools/nano_evidence.py pack [--work W] [--tarball F] [--summary F]
+
+``run``, in order (each step's start and end, in seconds from ``--t0``, in WORK/timings.json):
+
+1. **prep**: a byte-level BPE of the docs corpus and the NIAH template and a random NemotronH of
+   evidence.yaml's ``model`` saved with transformers, both in WORK/hf-random (a stand-in for
+   Nano's HF folder); in the background: the LM text, the NIAH training data of the base and of
+   each stage, the evaluation samples (``tools/niah.py generate --workers``,
+   ``tools/preprocess_data.py``);
+2. **base**: hf-random imported through the converter (standard slots), trained briefly
+   (base.yaml) on LM text + NIAH so that it retrieves before the surgery, exported to HF
+   (WORK/base/hf): the folder every arm's curriculum imports;
+3. **arms**: per arm its curriculum (curriculum.yaml and the stage files with the arm's paths and
+   variant; train-iters sized to the clock from the base's measured tokens/s) and its import
+   (``tools/curriculum.py run --steps import``: the superlinear arm with surgery); the stage NIAH
+   data, made once, linked into each arm's folder;
+4. **train** (``tools/curriculum.py run --steps train`` per arm, side by side on the GPU) with
+   **before** beside it (``tools/niah.py eval`` of each import on the evaluation samples);
+5. **after**: ``tools/curriculum.py run --steps eval,export`` per arm, or, when the clock stopped
+   a stage, ``tools/niah.py eval`` of the last checkpoint written (the summary says which).
+
+The clock: ``--deadline`` (epoch seconds; gpu_nano_evidence.sh passes CALL_T0 + CALL_LIMIT less a
+reserve for packing) bounds everything. The base stops at its share of the time (the trainer's
+``--exit-duration-in-mins``); the stages are stopped ``after-s`` before the deadline (SIGTERM to
+the trainers: ``--exit-signal-handler`` saves, then the after step evaluates what was saved);
+the after step is killed at the deadline. ``pack`` then writes WORK/summary.md (NIAH accuracy
+before -> after per arm and length, tokens/s per stage, the steps' times) and one tarball of
+everything but checkpoints, weights and data. Unknown arm names are refused (exit 2) before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from typing import Dict, List, Optional
+
+import yaml
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "nemotron-3-nano-superlinear", "one-gpu")
+PY = sys.executable
+SYMBOL_BLOCK = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+# model.yaml keys of an import that are no shape (the stage or base file decides them)
+NOT_SHAPE = ("attention-variant", "layer-pattern", "bf16", "fp16")
+
+
+class EvidenceError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# settings
+# ------------------------------------------------------------------------------------------------
+def read_settings(recipe: str = RECIPE, dry: bool = False) -> dict:
+    """evidence.yaml, with its ``dry`` block laid over it when ``dry``."""
+    with open(os.path.join(recipe, "evidence.yaml"), encoding="utf-8") as f:
+        s = yaml.safe_load(f)
+    d = s.pop("dry", {}) or {}
+    s["dry"] = bool(dry)
+    if dry:
+        for key in ("model", "tokenizer", "lm", "timing"):
+            s[key] = {**s.get(key, {}), **(d.get(key) or {})}
+        s["base"] = {**s["base"], "niah": {**s["base"]["niah"],
+                                           **((d.get("base") or {}).get("niah") or {})}}
+        s["dry-flags"] = d.get("flags") or {}
+        s["dry-base-flags"] = (d.get("base") or {}).get("flags") or {}
+        s["dry-stages"] = d.get("stages") or []
+        s["dry-niah-depths"] = d.get("niah-depths")
+        s["dry-eval"] = d.get("eval") or {}
+    return s
+
+
+def parse_arms(text: str, settings: dict) -> List[str]:
+    """The arms asked for (comma list), checked against evidence.yaml's ``arms``."""
+    allowed = list(settings["arms"])
+    names = [a.strip() for a in str(text).split(",") if a.strip()]
+    if not names:
+        raise EvidenceError(f"--arms {text!r}: empty; allowed a comma list of "
+                            f"{', '.join(allowed)}")
+    for name in names:
+        if name not in allowed:
+            raise EvidenceError(f"--arms: unknown arm {name!r}; allowed {', '.join(allowed)} "
+                                "(recipes/nemotron-3-nano-superlinear/one-gpu/evidence.yaml)")
+    if len(set(names)) != len(names):
+        raise EvidenceError(f"--arms {text!r}: an arm named twice")
+    return names
+
+
+def find_corpus() -> str:
+    for path in (os.environ.get("SUBQ_CORPUS"), os.path.join(ROOT, "data", "docs-corpus.jsonl.xz"),
+                 os.path.join(ROOT, "..", "shared", "data", "docs-corpus.jsonl.xz")):
+        if path and os.path.isfile(path):
+            return os.path.abspath(path)
+    raise EvidenceError("no docs corpus: data/docs-corpus.jsonl.xz (carried), "
+                        "../shared/data/docs-corpus.jsonl.xz or $SUBQ_CORPUS")
+
+
+def _yaml(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f) or {}
+
+
+def _write_yaml(path: str, data: dict, header: str = "") -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        if header:
+            f.write(header)
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+def _tracker(save: str) -> Optional[int]:
+    path = os.path.join(save, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(path):
+        return None
+    text = open(path, encoding="utf-8").read().strip()
+    return int(text) if text.isdigit() else None
+
+
+def metrics_rows(path: str) -> List[dict]:
+    rows = []
+    if os.path.isfile(path):
+        for line in open(path, encoding="utf-8"):
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if "tokens_per_sec_per_gpu" in r:
+                rows.append(r)
+    # a resumed run appends: keep the last record of each iteration
+    last: Dict[int, dict] = {}
+    for r in rows:
+        last[r["iteration"]] = r
+    return [last[i] for i in sorted(last)]
+
+
+def throughput(rows: List[dict], tokens_per_iter: int) -> Optional[float]:
+    """Tokens/s over the iterations after the first tenth (compilation, warm-up)."""
+    if not rows:
+        return None
+    keep = rows[max(1, len(rows) // 10):] if len(rows) > 2 else rows
+    seconds = sum(r["time_s"] for r in keep)
+    return len(keep) * tokens_per_iter / seconds if seconds > 0 else None
+
+
+# ------------------------------------------------------------------------------------------------
+# processes
+# ------------------------------------------------------------------------------------------------
+def _proc_table() -> Dict[int, tuple]:
+    """{pid: (ppid, cmdline)} of this machine's processes (Linux /proc)."""
+    out = {}
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            pid = int(os.path.basename(d))
+            stat = open(os.path.join(d, "stat"), encoding="utf-8", errors="replace").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            cmd = open(os.path.join(d, "cmdline"), "rb").read().replace(b"\0", b" ").decode(
+                "utf-8", "replace")
+            out[pid] = (ppid, cmd)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def trainer_pids(root: int) -> List[int]:
+    """The trainer processes at or below ``root``: examples/pretrain_hybrid.py whose parent is
+    not one (its data-loader workers and checkpoint writers are)."""
+    table = _proc_table()
+    below, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        for pid, (ppid, _) in table.items():
+            if ppid == p and pid not in below:
+                below.add(pid)
+                frontier.append(pid)
+    return [p for p in below if p in table and "pretrain_hybrid.py" in table[p][1]
+            and "pretrain_hybrid.py" not in table.get(table[p][0], (0, ""))[1]]
+
+
+class Job:
+    """One command in its own process group, its output in ``log``."""
+
+    def __init__(self, name: str, cmd: List[str], log: str, env: Optional[dict] = None,
+                 nice: int = 0):
+        self.name, self.cmd, self.log = name, cmd, log
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+        self._f = open(log, "a", encoding="utf-8")
+        self._f.write(f"$ {shlex.join(cmd)}\n")
+        self._f.flush()
+        full = (["nice", "-n", str(nice)] if nice and shutil.which("nice") else []) + cmd
+        self.p = subprocess.Popen(full, stdout=self._f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env=env, start_new_session=True)
+        self.rc: Optional[int] = None
+        self.stopped = ""
+
+    def poll(self) -> Optional[int]:
+        if self.rc is None:
+            self.rc = self.p.poll()
+            if self.rc is not None:
+                self._f.write(f"exit {self.rc}\n")
+                self._f.close()
+        return self.rc
+
+    def stop(self, grace: float, log) -> None:
+        """SIGTERM the trainers below (their exit handler saves a checkpoint), wait up to
+        ``grace`` s, then SIGKILL the whole group."""
+        if self.poll() is not None:
+            return
+        pids = trainer_pids(self.p.pid)
+        self.stopped = f"stopped by the clock ({len(pids)} trainer(s) sent SIGTERM)"
+        log(f"clock: stopping {self.name}: SIGTERM to trainer(s) {pids}")
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        end = time.time() + (grace if pids else 0)
+        while time.time() < end and self.poll() is None:
+            time.sleep(0.5)
+        if self.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            self.p.wait()
+            self.poll()
+
+
+def wait_all(jobs: List[Job], until: float, grace: float, log) -> None:
+    """Wait for ``jobs``; at ``until`` (epoch s) stop those still running."""
+    while any(j.poll() is None for j in jobs):
+        if time.time() >= until:
+            for j in jobs:
+                j.stop(grace, log)
+            return
+        time.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+class Run:
+    def __init__(self, args, settings: dict, arms: List[str]):
+        self.args, self.s, self.arms = args, settings, arms
+        self.dry = settings["dry"]
+        self.work = os.path.abspath(args.work)
+        self.t0 = args.t0 or time.time()
+        self.deadline = args.deadline or (self.t0 + 3600)
+        self.timing = settings["timing"]
+        self.workers = int(self.timing.get("workers", 8))
+        self.corpus = find_corpus()
+        self.data = os.path.join(self.work, "data")
+        self.hf_random = os.path.join(self.work, "hf-random")
+        self.base = os.path.join(self.work, "base")
+        self.logs = os.path.join(self.work, "logs")
+        self.timings: List[dict] = []
+        self.info: dict = {"mode": "DRY (CPU)" if self.dry else "GPU", "arms": arms,
+                           "corpus": self.corpus, "deadline_s": round(self.deadline - self.t0),
+                           "iterations": {}, "notes": []}
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.data_jobs: Dict[str, Job] = {}
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def log(self, *msg) -> None:
+        print(f"[+{time.time() - self.t0:6.1f}s] " + " ".join(str(m) for m in msg), flush=True)
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def step(self, name: str, start: float, status: str) -> None:
+        self.timings.append({"step": name, "start_s": round(start - self.t0, 1),
+                             "end_s": round(time.time() - self.t0, 1), "status": status})
+        self.save_info()
+
+    def save_info(self) -> None:
+        os.makedirs(self.work, exist_ok=True)
+        with open(os.path.join(self.work, "timings.json"), "w", encoding="utf-8") as f:
+            json.dump({"timings": self.timings, **self.info}, f, indent=1)
+
+    def job(self, name, cmd, log=None, nice=0) -> Job:
+        return Job(name, cmd, log or os.path.join(self.logs, f"{name}.log"), self.env, nice)
+
+    def need(self, jobs: List[Job], what: str) -> None:
+        bad = [f"{j.name} (exit {j.rc}, log {j.log})" for j in jobs if j.poll() != 0]
+        if bad:
+            raise RuntimeError(f"{what}: {', '.join(bad)}")
+
+    # -- configs --------------------------------------------------------------------------------
+    def _shape(self) -> dict:
+        """The model's trainer flags as the base's import wrote them (model.yaml)."""
+        flags = _yaml(os.path.join(self.base, "import", "model.yaml"))
+        return {k: v for k, v in flags.items()
+                if k not in NOT_SHAPE and not k.startswith("superlinear-")}
+
+    def _trainer_config(self, source: str, extra: dict) -> dict:
+        cfg = _yaml(source)
+        cfg.update(self._shape())
+        if self.dry:
+            cfg.update(self.s["dry-flags"])
+        cfg.update(extra)
+        return cfg
+
+    @staticmethod
+    def _weights(cfg: dict) -> List[float]:
+        items = cfg["data-path"]
+        return [float(x) for x in items[0::2]]
+
+    # -- 1. prep --------------------------------------------------------------------------------
+    def niah_cmd(self, tok: str, out_prefix: str, lengths, depths, per_cell, seed, fmt="train",
+                 skip=0) -> List[str]:
+        jsonl = out_prefix + ".jsonl"
+        gen = [PY, "tools/niah.py", "generate", "--tokenizer-type", "HuggingFaceTokenizer",
+               "--tokenizer-model", tok, "--lengths", ",".join(str(n) for n in lengths),
+               "--depths", str(depths), "--samples-per-cell", str(per_cell), "--seed", str(seed),
+               "--needles", "1", "--format", fmt, "--output", jsonl, "--corpus", self.corpus,
+               "--workers", str(self.workers), "--no-progress"]
+        if skip:
+            gen += ["--skip-documents", str(skip)]
+        if fmt != "train":
+            return gen
+        prep = [PY, "tools/preprocess_data.py", "--input", jsonl, "--output-prefix", out_prefix,
+                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
+                "--workers", str(self.workers), "--no-progress"]
+        return ["bash", "-c", f"{shlex.join(gen)} && {shlex.join(prep)}"]
+
+    def prep(self) -> Dict[str, Job]:
+        start = time.time()
+        os.makedirs(self.data, exist_ok=True)
+        sys.path.insert(0, ROOT)
+        from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: PLC0415
+
+        tok = self.s["tokenizer"]
+        os.makedirs(self.hf_random, exist_ok=True)
+        train_niah_bpe(self.corpus, self.hf_random, documents=int(tok["documents"]),
+                       vocab_size=int(tok["vocab-size"]),
+                       template_repeats=int(tok.get("template-repeats", 1)))
+        self.log(f"prep: tokenizer ({tok['vocab-size']} tokens) in {self.hf_random}")
+        jobs = self.data_jobs  # filled as they start: stopped at the end whatever happens
+        lm = [PY, "tools/preprocess_data.py", "--input", self.corpus, "--output-prefix",
+              os.path.join(self.data, "lm"), "--tokenizer-type", "HuggingFaceTokenizer",
+              "--tokenizer-model", self.hf_random, "--workers", str(self.workers),
+              "--no-progress"]
+        if self.s["lm"].get("max-documents"):
+            lm += ["--max-documents", str(self.s["lm"]["max-documents"])]
+        jobs["lm"] = self.job("prep-lm", lm)
+        b = self.s["base"]["niah"]
+        jobs["niah-base"] = self.job("prep-niah-base", self.niah_cmd(
+            self.hf_random, os.path.join(self.data, "niah-base"), b["lengths"], b["depths"],
+            b["samples-per-cell"], b["seed"]))
+        # the stages' data and the evaluation samples are needed later: at a lower priority
+        cur = _yaml(os.path.join(RECIPE, "curriculum.yaml"))
+        depths = self.s.get("dry-niah-depths") or cur["niah"]["depths"]
+        for k, entry in enumerate(cur["stages"], start=1):
+            niah = dict(entry["niah"])
+            if self.dry:
+                niah.update((self.s["dry-stages"][k - 1].get("niah") or {}))
+            jobs[f"niah-stage{k}"] = self.job(f"prep-niah-stage{k}", self.niah_cmd(
+                self.hf_random, os.path.join(self.data, f"niah-stage{k}"), niah["lengths"],
+                depths, niah["samples-per-cell"], niah["seed"]), nice=10)
+        ev = {**cur["eval"], **(self.s.get("dry-eval") or {})}
+        from megatron_subq.evaluation.niah import parse_numbers  # noqa: PLC0415
+
+        lengths = [int(x) for x in parse_numbers(ev["lengths"], "--lengths", doubling=True)]
+        jobs["niah-eval"] = self.job("prep-niah-eval", self.niah_cmd(
+            self.hf_random, os.path.join(self.data, "niah-eval"), lengths, ev["depths"],
+            ev["samples-per-cell"], ev["seed"], fmt="eval", skip=ev.get("skip-documents", 0)),
+            nice=10)
+        # the random NemotronH (transformers), with the tokenizer's vocabulary
+        import torch  # noqa: PLC0415
+        import transformers  # noqa: PLC0415
+
+        m = dict(self.s["model"])
+        pattern, seed = m.pop("pattern"), int(m.pop("seed", 1234))
+        m["layers_block_type"] = [SYMBOL_BLOCK[c] for c in pattern]
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        m["vocab_size"] = Tokenizer.from_file(
+            os.path.join(self.hf_random, "tokenizer.json")).get_vocab_size()
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**m))
+        model.save_pretrained(self.hf_random)
+        params = sum(p.numel() for p in model.parameters())
+        del model
+        self.info["model"] = {"pattern": pattern, "parameters": params,
+                              "vocab": m["vocab_size"]}
+        self.log(f"prep: random NemotronH {pattern}, {params / 1e6:.1f}M parameters, saved")
+        self.step("prep (tokenizer, random NemotronH)", start, "ok")
+        return jobs
+
+    # -- 2. base --------------------------------------------------------------------------------
+    def base_run(self, data_jobs: Dict[str, Job]) -> None:
+        start = time.time()
+        imp = self.job("base-import", [PY, "tools/convert_checkpoint.py", "import", "--hf",
+                                       self.hf_random, "--save",
+                                       os.path.join(self.base, "import"),
+                                       "--attention-variant", "standard", "--no-progress"])
+        needed = [imp, data_jobs["lm"], data_jobs["niah-base"]]
+        wait_all(needed, self.deadline, 5, self.log)
+        self.need(needed, "base inputs")
+        self.step("base: import + LM/NIAH data", start, "ok")
+
+        start = time.time()
+        src = os.path.join(RECIPE, "base.yaml")
+        w = self._weights(_yaml(src))
+        extra = {"data-path": [w[0], os.path.join(self.data, "lm_text_document"), w[1],
+                               os.path.join(self.data, "niah-base_text_document")],
+                 "tokenizer-model": self.hf_random, "load": os.path.join(self.base, "import"),
+                 "save": os.path.join(self.base, "train"),
+                 "metrics-file": os.path.join(self.base, "train", "metrics.jsonl")}
+        if self.dry:
+            extra.update(self.s["dry-base-flags"])
+        cfg = self._trainer_config(src, extra)
+        # the base's share of what is left, less the arms' imports, their stages' start-ups and
+        # the after step; its iterations from the guessed rate, and the trainer's own clock
+        t = self.timing
+        n_stages = 3
+        free = self.left() - float(t["after-s"]) - float(t["import-s"])
+        budget = max(60.0, float(t["base-share"]) * (free - n_stages * float(t["startup-s"])))
+        tokens = int(cfg["global-batch-size"]) * int(cfg["seq-length"])
+        if self.args.base_iters:
+            cfg["train-iters"] = int(self.args.base_iters)
+        elif not self.dry and not self.args.fixed_iters:
+            cfg["train-iters"] = max(int(t["min-iters"]), int(
+                (budget - float(t["startup-s"])) * float(t["rate-guess"]) / tokens))
+        cfg["lr-warmup-iters"] = min(int(cfg["lr-warmup-iters"]),
+                                     max(1, int(cfg["train-iters"]) // 10))
+        if not self.dry:
+            cfg["exit-duration-in-mins"] = round(budget / 60.0, 3)
+        path = os.path.join(self.base, "base.yaml")
+        _write_yaml(path, cfg, f"# effective config of {os.path.relpath(src, ROOT)} "
+                               "(tools/nano_evidence.py)\n")
+        self.info["iterations"]["base"] = {"planned": cfg["train-iters"],
+                                           "tokens_per_iter": tokens,
+                                           "seq": cfg["seq-length"],
+                                           "budget_s": round(budget)}
+        self.log(f"base: {cfg['train-iters']} iterations of {tokens} tokens, budget "
+                 f"{budget:.0f} s")
+        train = self.job("base-train", [PY, "examples/pretrain_hybrid.py", "--config", path],
+                         os.path.join(self.base, "train.log"))
+        wait_all([train], start + budget + 60, 30, self.log)
+        if _tracker(os.path.join(self.base, "train")) is None:
+            raise RuntimeError(f"base training wrote no checkpoint (exit {train.rc}; log "
+                               f"{train.log})")
+        rate = throughput(metrics_rows(cfg["metrics-file"]), tokens)
+        self.info["iterations"]["base"].update(done=_tracker(os.path.join(self.base, "train")),
+                                               rate=rate)
+        self.step("base: training", start, train.stopped or f"exit {train.rc}")
+
+        start = time.time()
+        exp = self.job("base-export", [PY, "tools/convert_checkpoint.py", "export", "--load",
+                                       os.path.join(self.base, "train"), "--hf-out",
+                                       os.path.join(self.base, "hf"), "--hf-config",
+                                       os.path.join(self.base, "import"), "--no-progress"])
+        wait_all([exp], self.deadline, 5, self.log)
+        self.need([exp], "base export")
+        self.step("base: export to HF", start, "ok")
+
+    # -- 3. arms --------------------------------------------------------------------------------
+    def stage_iters(self, cur: dict) -> List[int]:
+        """Each stage's train-iters: fixed (the files, or --stage-iters), or sized to the time
+        left from the base's measured tokens/s."""
+        files = [_yaml(os.path.join(RECIPE, e["config"])) for e in cur["stages"]]
+        if self.args.stage_iters:
+            return [int(x) for x in self.args.stage_iters.split(",")]
+        if self.dry:
+            return [int(st["flags"]["train-iters"]) for st in self.s["dry-stages"]]
+        if self.args.fixed_iters:
+            return [int(f["train-iters"]) for f in files]
+        t = self.timing
+        base = self.info["iterations"].get("base", {})
+        rate = base.get("rate") or float(t["rate-guess"])
+        share = float(t["parallel-share"]) if len(self.arms) > 1 else 1.0
+        free = (self.left() - float(t["after-s"]) - float(t["import-s"])
+                - len(files) * float(t["startup-s"]))
+        split = [float(x) for x in t["stage-split"]]
+        out = []
+        for f, part in zip(files, split):
+            seq = int(f["seq-length"])
+            factor = float({int(k): v for k, v in t["length-factor"].items()}.get(seq, 0.7))
+            seconds = max(0.0, free) * part / sum(split)
+            out.append(max(int(t["min-iters"]), int(seconds * rate * share * factor
+                                                    / (int(f["global-batch-size"]) * seq))))
+        self.info["sizing"] = {"rate": rate, "share": share, "free_s": round(free)}
+        return out
+
+    def arm_files(self, arm: str, iters: List[int]) -> str:
+        """The arm's curriculum and stage files in WORK/arms/ARM; returns the curriculum."""
+        folder = os.path.join(self.work, "arms", arm)
+        run = os.path.join(folder, "run")
+        cur = _yaml(os.path.join(RECIPE, "curriculum.yaml"))
+        variant = self.s["arms"][arm]
+        entries = []
+        for k, entry in enumerate(cur["stages"], start=1):
+            src = os.path.join(RECIPE, entry["config"])
+            w = self._weights(_yaml(src))
+            extra = {"data-path": [w[0], os.path.join(self.data, "lm_text_document"), w[1],
+                                   os.path.join(run, "niah", f"stage{k}_text_document")],
+                     "tokenizer-model": os.path.join(run, "import", "hf_files"),
+                     "load": os.path.join(run, "import" if k == 1 else f"stage{k - 1}"),
+                     "save": os.path.join(run, f"stage{k}"),
+                     "metrics-file": os.path.join(run, f"stage{k}", "metrics.jsonl")}
+            if self.dry:
+                extra.update(self.s["dry-stages"][k - 1].get("flags") or {})
+            cfg = self._trainer_config(src, extra)
+            cfg.update(variant)
+            if cfg["attention-variant"] != "superlinear":
+                cfg = {k2: v for k2, v in cfg.items() if not k2.startswith("superlinear-")}
+            cfg["train-iters"] = iters[k - 1]
+            cfg["lr-warmup-iters"] = min(int(cfg["lr-warmup-iters"]),
+                                         max(1, iters[k - 1] // 5))
+            name = f"stage{k}.yaml"
+            _write_yaml(os.path.join(folder, name), cfg,
+                        f"# {arm} arm: {os.path.relpath(src, ROOT)} (tools/nano_evidence.py)\n")
+            niah = dict(entry["niah"])
+            if self.dry:
+                niah.update(self.s["dry-stages"][k - 1].get("niah") or {})
+            entries.append({"config": name, "nodes": 1, "niah": niah})
+        spec = copy.deepcopy(cur)
+        spec.update(hf=os.path.join(self.base, "hf"), out=run, stages=entries)
+        spec["import"] = {**cur["import"], "save": os.path.join(run, "import")}
+        spec["niah"] = {**cur["niah"], "corpus": self.corpus, "workers": self.workers}
+        if self.dry:
+            spec["niah"]["depths"] = self.s["dry-niah-depths"]
+        spec["eval"] = {**cur["eval"], **(self.s.get("dry-eval") or {}), "corpus": self.corpus,
+                        "input": os.path.join(self.data, "niah-eval.jsonl")}
+        spec["export"] = {**cur["export"], "hf-out": os.path.join(run, "hf")}
+        path = os.path.join(folder, "curriculum.yaml")
+        _write_yaml(path, spec, f"# {arm} arm of {os.path.relpath(RECIPE, ROOT)}/curriculum.yaml "
+                                "(tools/nano_evidence.py)\n")
+        return path
+
+    def arms_setup(self, data_jobs: Dict[str, Job]) -> Dict[str, str]:
+        start = time.time()
+        cur = _yaml(os.path.join(RECIPE, "curriculum.yaml"))
+        iters = self.stage_iters(cur)
+        self.info["iterations"]["stages"] = iters
+        self.log(f"arms: stage iterations {iters}")
+        curricula = {arm: self.arm_files(arm, iters) for arm in self.arms}
+        jobs = [self.job(f"{arm}-import", [PY, "tools/curriculum.py", "run", path, "--steps",
+                                           "import"],
+                         os.path.join(self.work, "arms", arm, "curriculum.log"))
+                for arm, path in curricula.items()]
+        stage_data = [data_jobs[f"niah-stage{k}"] for k in range(1, len(cur["stages"]) + 1)]
+        wait_all(jobs + stage_data + [data_jobs["niah-eval"]], self.deadline, 5, self.log)
+        self.need(jobs + stage_data + [data_jobs["niah-eval"]], "arms' imports and NIAH data")
+        for arm in self.arms:  # the stages' NIAH data, made once, in every arm's folder
+            niah = os.path.join(self.work, "arms", arm, "run", "niah")
+            os.makedirs(niah, exist_ok=True)
+            for k in range(1, len(cur["stages"]) + 1):
+                for ext in (".bin", ".idx"):
+                    src = os.path.join(self.data, f"niah-stage{k}_text_document{ext}")
+                    dst = os.path.join(niah, f"stage{k}_text_document{ext}")
+                    if not os.path.exists(dst):
+                        try:
+                            os.link(src, dst)
+                        except OSError:
+                            shutil.copyfile(src, dst)
+        self.step("arms: curricula, imports (surgery), stage data", start, "ok")
+        return curricula
+
+    # -- 4./5. train, before, after ---------------------------------------------------------------
+    def eval_cmd(self, load: str, out: str) -> List[str]:
+        ev = _yaml(self.curricula[self.arms[0]])["eval"]
+        return [PY, "tools/niah.py", "eval", "--load", load, "--input", ev["input"],
+                "--output", os.path.join(out, "niah.json"), "--plot",
+                os.path.join(out, "niah.png"), "--max-batch-tokens",
+                str(ev.get("max-batch-tokens", 16384)), "--no-progress"]
+
+    def train_and_before(self) -> None:
+        start = time.time()
+        jobs = []
+        for arm, path in self.curricula.items():
+            jobs.append(self.job(f"{arm}-train", [PY, "tools/curriculum.py", "run", path,
+                                                  "--steps", "train"],
+                                 os.path.join(self.work, "arms", arm, "curriculum.log")))
+            before = os.path.join(self.work, "arms", arm, "before")
+            os.makedirs(before, exist_ok=True)
+            jobs.append(self.job(f"{arm}-before", self.eval_cmd(
+                os.path.join(self.work, "arms", arm, "run", "import"), before),
+                os.path.join(before, "eval.log")))
+        until = self.deadline - float(self.timing["after-s"])
+        wait_all(jobs, until, 45 if not self.dry else 20, self.log)
+        self.step("arms: stages (train) + NIAH before", start,
+                  "; ".join(f"{j.name} {j.stopped or f'exit {j.rc}'}" for j in jobs))
+
+    def after(self) -> None:
+        start = time.time()
+        jobs = []
+        self.info["after"] = {}
+        for arm, path in self.curricula.items():
+            cur = _yaml(path)
+            run = cur["out"]
+            folder = os.path.join(self.work, "arms", arm)
+            stages = [_yaml(os.path.join(folder, e["config"])) for e in cur["stages"]]
+            done = [(_tracker(s["save"]) or 0) >= int(s["train-iters"]) for s in stages]
+            if all(done):
+                steps = "eval,export" if self.left() > 0.6 * float(self.timing["after-s"]) \
+                    else "eval"
+                jobs.append(self.job(f"{arm}-after", [PY, "tools/curriculum.py", "run", path,
+                                                      "--steps", steps],
+                                     os.path.join(folder, "curriculum.log")))
+                self.info["after"][arm] = {"checkpoint": f"stage{len(stages)}",
+                                           "iteration": _tracker(stages[-1]["save"]),
+                                           "complete": True, "steps": steps}
+                continue
+            # the clock stopped a stage: the last checkpoint written
+            load, label = os.path.join(run, "import"), "import"
+            for k, s in enumerate(stages, start=1):
+                if _tracker(s["save"]):
+                    load, label = s["save"], f"stage{k}"
+            self.info["after"][arm] = {"checkpoint": label, "iteration": _tracker(load),
+                                       "complete": False, "steps": "eval"}
+            if label == "import":
+                self.info["notes"].append(f"{arm}: no stage saved a checkpoint; no after eval")
+                continue
+            out = os.path.join(run, "eval")
+            os.makedirs(out, exist_ok=True)
+            jobs.append(self.job(f"{arm}-after", self.eval_cmd(load, out),
+                                 os.path.join(out, "eval.log")))
+        wait_all(jobs, self.deadline, 5, self.log)
+        self.step("arms: NIAH after (+ export)", start,
+                  "; ".join(f"{j.name} {j.stopped or f'exit {j.rc}'}" for j in jobs) or "none")
+
+    def run(self) -> int:
+        self.log(f"nano_evidence: {self.info['mode']}, arms {','.join(self.arms)}, "
+                 f"{self.left():.0f} s to the deadline, work {self.work}")
+        self.save_info()
+        try:
+            self.prep()
+            self.base_run(self.data_jobs)
+            self.curricula = self.arms_setup(self.data_jobs)
+            self.train_and_before()
+            self.after()
+        except Exception as e:  # noqa: BLE001 - the summary says what stopped the run
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
+            self.info["notes"].append(f"stopped: {type(e).__name__}: {e}")
+            self.log(f"error: {e}")
+            return 1
+        finally:
+            for j in self.data_jobs.values():
+                j.stop(0, self.log)
+            self.save_info()
+        return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# summary and tarball
+# ------------------------------------------------------------------------------------------------
+def _len_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}K" if n >= 1e3 else f"{n:.0f}"
+
+
+def niah_by_length(path: str) -> Optional[dict]:
+    if not os.path.isfile(path):
+        return None
+    r = json.load(open(path, encoding="utf-8"))
+    out: Dict[int, list] = {}
+    for c in r.get("cells", []):
+        out.setdefault(int(c["length"]), []).append(c)
+    rows = {n: (sum(c["accuracy"] * c["n"] for c in cs) / sum(c["n"] for c in cs),
+                sum(c["mean_answer_logprob"] * c["n"] for c in cs) / sum(c["n"] for c in cs))
+            for n, cs in out.items()}
+    return {"lengths": rows, "accuracy": r.get("accuracy"),
+            "logprob": r.get("mean_answer_logprob"), "iteration": r.get("iteration"),
+            "samples": len(r.get("samples", [])), "variant": r.get("attention_variant")}
+
+
+def heatmaps(work: str, arms: List[str], path: str) -> bool:
+    """One PNG: a row per arm, before | after, accuracy over length x depth."""
+    panels = []
+    for arm in arms:
+        for when, f in (("before", os.path.join(work, "arms", arm, "before", "niah.json")),
+                        ("after", os.path.join(work, "arms", arm, "run", "eval", "niah.json"))):
+            panels.append((arm, when, json.load(open(f)) if os.path.isfile(f) else None))
+    if not any(p[2] for p in panels):
+        return False
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    fig, axes = plt.subplots(len(arms), 2, figsize=(10, 3.6 * len(arms)), squeeze=False)
+    for ax, (arm, when, r) in zip(axes.flat, panels):
+        ax.set_title(f"{arm}: {when}" + (f" (iteration {r.get('iteration')})" if r else
+                                         " (not run)"))
+        if not r:
+            ax.axis("off")
+            continue
+        cells = r["cells"]
+        lengths = sorted({c["length"] for c in cells})
+        depths = sorted({c["depth"] for c in cells})
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for c in cells:
+            grid[depths.index(c["depth"]), lengths.index(c["length"])] = c["accuracy"]
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [_len_label(n) for n in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth (%)")
+        for y in range(len(depths)):
+            for x in range(len(lengths)):
+                if not np.isnan(grid[y, x]):
+                    dark = grid[y, x] < 0.2 or grid[y, x] > 0.85  # the ends of RdYlGn
+                    ax.text(x, y, f"{grid[y, x]:.1f}", ha="center", va="center", fontsize=7,
+                            color="white" if dark else "black")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
+
+
+def summary(work: str) -> str:
+    info_path = os.path.join(work, "timings.json")
+    info = json.load(open(info_path)) if os.path.isfile(info_path) else {}
+    arms = info.get("arms") or []
+    gpu = ""
+    if os.path.isfile(os.path.join(work, "gpu.txt")):
+        lines = [x.strip() for x in open(os.path.join(work, "gpu.txt")) if x.strip()]
+        gpu = lines[1] if len(lines) > 1 else (lines[0] if lines else "")
+    timings = info.get("timings", [])
+    end = max([t["end_s"] for t in timings] or [0])
+    m = info.get("model", {})
+    out = ["# Evidence on one GPU: a Nano-shaped hybrid through the Superlinear recipe, "
+           "4K → 8K → 16K", "",
+           f"- mode: {info.get('mode', '?')}{f' on {gpu}' if gpu else ''}; "
+           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; steps ended at "
+           f"{end:.0f} s of the call (deadline {info.get('deadline_s', '?')} s)",
+           f"- model: random NemotronH `{m.get('pattern', '?')}`, "
+           f"{m.get('parameters', 0) / 1e6:.1f}M parameters, vocabulary {m.get('vocab', '?')}; "
+           "imported (standard), base-trained on docs text + NIAH, exported to HF, imported "
+           "again per arm (superlinear: surgery)", ""]
+    # NIAH
+    out += ["## NIAH accuracy, before → after (greedy answer = the needle's value)", ""]
+    table, lengths = [], set()
+    for arm in arms:
+        for when, f in (("before", os.path.join(work, "arms", arm, "before", "niah.json")),
+                        ("after", os.path.join(work, "arms", arm, "run", "eval", "niah.json"))):
+            r = niah_by_length(f)
+            if r:
+                lengths |= set(r["lengths"])
+            table.append((arm, when, r))
+    lengths = sorted(lengths)
+    head = ["arm", "when", "checkpoint (iteration)", *[_len_label(n) for n in lengths], "all",
+            "answer log-prob"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    after = info.get("after", {})
+    for arm, when, r in table:
+        if r is None:
+            out.append(f"| {arm} | {when} | not run |" + " |" * (len(lengths) + 2))
+            continue
+        what = "import" if when == "before" else after.get(arm, {}).get("checkpoint", "?")
+        cells = [f"{r['lengths'][n][0]:.2f}" if n in r["lengths"] else "" for n in lengths]
+        out.append("| " + " | ".join([arm, when, f"{what} ({r['iteration']})", *cells,
+                                      f"{r['accuracy']:.2f}", f"{r['logprob']:.2f}"]) + " |")
+    out += ["", "Accuracy per length over every depth (0–100 %); cells per depth in the "
+            "heatmaps (`niah-heatmaps.png`, and each eval's `niah.png`). The answer log-prob "
+            "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
+            "accuracy.", ""]
+    # throughput
+    out += ["## Training: tokens/s per stage", "",
+            "| run | seq | iterations (planned) | tokens | train s | tokens/s "
+            "| loss first → last |",
+            "|---|---|---|---|---|---|---|"]
+    its = info.get("iterations", {})
+
+    def row(name, cfg_path, planned):
+        if not os.path.isfile(cfg_path):
+            return None
+        cfg = _yaml(cfg_path)
+        tokens = int(cfg["global-batch-size"]) * int(cfg["seq-length"])
+        rows = metrics_rows(cfg.get("metrics-file", ""))
+        rate = throughput(rows, tokens)
+        secs = sum(r["time_s"] for r in rows)
+        losses = [r["lm_loss"] for r in rows if r.get("lm_loss") is not None]
+        loss = f"{losses[0]:.2f} → {losses[-1]:.2f}" if losses else ""
+        done = _tracker(cfg["save"]) or 0
+        return (f"| {name} | {cfg['seq-length']} | {done} ({planned}) | "
+                f"{_count(len(rows) * tokens)} | {secs:.0f} | "
+                f"{f'{rate:,.0f}' if rate else '—'} | {loss} |")
+
+    r = row("base (dense, alone)", os.path.join(work, "base", "base.yaml"),
+            its.get("base", {}).get("planned", "?"))
+    if r:
+        out.append(r)
+    for arm in arms:
+        for k in (1, 2, 3):
+            planned = (its.get("stages") or ["?"] * 3)[k - 1]
+            r = row(f"{arm} stage {k}", os.path.join(work, "arms", arm, f"stage{k}.yaml"),
+                    planned)
+            if r:
+                out.append(r)
+    out += ["", "tokens/s: after the first tenth of the iterations (compilation), from the "
+            "metrics files; " + ("the arms trained side by side on the one GPU, so each "
+                                 "stage's tokens/s is its share, not the speed alone."
+                                 if len(arms) > 1 else "one arm alone on the GPU."), ""]
+    if info.get("sizing"):
+        s = info["sizing"]
+        out.append(f"Stage iterations sized from the base's {s['rate']:,.0f} tokens/s × "
+                   f"{s['share']} (arms side by side) and {s['free_s']} s left for stages.")
+        out.append("")
+    out += ["## Steps", "", "| step | start s | end s | status |", "|---|---|---|---|"]
+    out += [f"| {t['step']} | {t['start_s']} | {t['end_s']} | {t['status']} |" for t in timings]
+    notes = info.get("notes") or []
+    for arm, a in after.items():
+        if not a.get("complete", True):
+            notes.append(f"{arm}: the clock stopped its stages; 'after' is {a['checkpoint']} "
+                         f"at iteration {a['iteration']}")
+    if notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(out) + "\n"
+
+
+def _keep(rel: str) -> bool:
+    """What the tarball holds: configs, logs, metrics, NIAH results and plots, HF configs and
+    tokenizers; no checkpoints, weights or data."""
+    parts = rel.split("/")
+    if any(p.startswith("iter_") or p == "cache" for p in parts) or parts[0] == "data":
+        return False
+    if "niah" in parts[:-1]:  # the arms' links to the stages' NIAH data
+        return False
+    if rel.endswith((".bin", ".idx", ".safetensors", ".pt", ".distcp", ".npy")):
+        return False
+    if parts[-1] == "tokenizer.json" and parts[0] != "hf-random":  # copies of the one
+        return False
+    return True
+
+
+def pack(work: str, tarball: Optional[str], summary_path: Optional[str]) -> str:
+    text = summary(work)
+    arms = json.load(open(os.path.join(work, "timings.json"))).get("arms", []) \
+        if os.path.isfile(os.path.join(work, "timings.json")) else []
+    try:
+        if heatmaps(work, arms, os.path.join(work, "niah-heatmaps.png")):
+            pass
+    except Exception as e:  # noqa: BLE001 - a plot must not cost the summary
+        text += f"\n(heatmaps not drawn: {e})\n"
+    with open(os.path.join(work, "summary.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    if summary_path:
+        shutil.copyfile(os.path.join(work, "summary.md"), summary_path)
+    if tarball:
+        name = os.path.basename(os.path.normpath(work))
+        with tarfile.open(tarball, "w:gz") as tar:
+            for dirpath, dirnames, filenames in os.walk(work):
+                rel_dir = os.path.relpath(dirpath, work)
+                dirnames[:] = [d for d in dirnames
+                               if _keep(os.path.normpath(os.path.join(rel_dir, d))
+                                        .replace(os.sep, "/") + "/x")]
+                for fn in sorted(filenames):
+                    rel = os.path.normpath(os.path.join(rel_dir, fn)).replace(os.sep, "/")
+                    if _keep(rel):
+                        tar.add(os.path.join(dirpath, fn), arcname=f"{name}/{rel}")
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools/nano_evidence.py", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=("check", "run", "pack"))
+    p.add_argument("--arms", default="superlinear,standard")
+    p.add_argument("--work", default=os.path.join("runs", "nano-evidence"))
+    p.add_argument("--dry", action="store_true", help="CPU sizes (evidence.yaml's dry block)")
+    p.add_argument("--t0", type=float, default=None, help="the call's start (epoch s)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="epoch s by which every step has ended (default t0 + 1 h)")
+    p.add_argument("--base-iters", type=int, default=None)
+    p.add_argument("--stage-iters", default=None, help="A,B,C: the stages' train-iters")
+    p.add_argument("--fixed-iters", action="store_true",
+                   help="the files' train-iters, not sized to the clock")
+    p.add_argument("--tarball", default=None)
+    p.add_argument("--summary", default=None)
+    args = p.parse_args(argv)
+    try:
+        settings = read_settings(RECIPE, args.dry)
+        arms = parse_arms(args.arms, settings)
+        if args.stage_iters is not None:
+            bad = [x for x in args.stage_iters.split(",") if not x.strip().isdigit()]
+            if bad or len(args.stage_iters.split(",")) != 3:
+                raise EvidenceError(f"--stage-iters {args.stage_iters!r}: allowed three "
+                                    "positive integers A,B,C")
+        if args.command == "run":
+            find_corpus()
+    except EvidenceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "check":
+        print(f"arms: {', '.join(arms)}")
+        return 0
+    if args.command == "pack":
+        print(pack(os.path.abspath(args.work), args.tarball, args.summary))
+        return 0
+    return Run(args, settings, arms).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
