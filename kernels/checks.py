@@ -17,6 +17,12 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take ``t``: a CUDA tensor, or any tensor under the
+    interpreter (the CPU tests). Callers fall back to PyTorch where it is False."""
+    return t.is_cuda or triton_interpreting()
+
+
 def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               same_qk_dim: bool = True) -> tuple[int, int, int, int, int]:
     """Check the ``[B, T, H, D]`` layout shared by every op, with GQA (k/v may have fewer heads).

@@ -66,9 +66,9 @@ class FusedLocalNorm(LocalNorm):
         super().__init__(config, hidden_size, eps, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels.checks import triton_interpreting  # noqa: PLC0415
+        from .kernels.checks import triton_runs_on  # noqa: PLC0415
 
-        if not (x.is_cuda or triton_interpreting()):
+        if not triton_runs_on(x):
             return super().forward(x)
         from .kernels.fused import rms_norm_kernel  # noqa: PLC0415 (Triton loads on first use)
 

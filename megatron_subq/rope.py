@@ -18,19 +18,15 @@ from __future__ import annotations
 import torch
 
 
-def _kernel_runs(t: torch.Tensor) -> bool:
-    from .kernels.checks import triton_interpreting  # noqa: PLC0415
-
-    return t.is_cuda or triton_interpreting()
-
-
 def fused_rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False
                     ) -> torch.Tensor:
     """TE's ``fused_apply_rotary_pos_emb`` signature: ``t`` ``[s, b, h, d]``, ``freqs``
     ``[s, 1, 1, r]``. CPU tensors outside the interpreter take megatron's unfused function."""
     from megatron.core.models.common.embeddings import rope_utils  # noqa: PLC0415
 
-    if interleaved or not _kernel_runs(t):
+    from .kernels.checks import triton_runs_on  # noqa: PLC0415
+
+    if interleaved or not triton_runs_on(t):
         return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
     from .kernels.fused import rope_kernel  # noqa: PLC0415 (Triton loads on first use)
 
