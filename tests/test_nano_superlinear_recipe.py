@@ -170,8 +170,8 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     assert abs(float(qs.std()) - 0.02) < 0.002 and abs(float(qs.mean())) < 0.002
 
     # stage 1 trained from the import; stage 2 from stage 1's weights, iteration restarted
-    assert curriculum._tracker(os.path.join(o, "stage1")) == 2
-    assert curriculum._tracker(os.path.join(o, "stage2")) == 2  # not 4: iterations restart
+    assert curriculum.saved_iteration(os.path.join(o, "stage1")) == 2
+    assert curriculum.saved_iteration(os.path.join(o, "stage2")) == 2  # not 4: iterations restart
     log1 = open(os.path.join(o, "stage1", "stage1.log")).read()
     log2 = open(os.path.join(o, "stage2", "stage2.log")).read()
     assert os.path.join(o, "import") in log1 and os.path.join(o, "stage1") in log2

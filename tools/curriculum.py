@@ -307,7 +307,9 @@ def layout_table(plans) -> str:
 # ------------------------------------------------------------------------------------------------
 # the steps
 # ------------------------------------------------------------------------------------------------
-def _tracker(save: str) -> Optional[int]:
+def saved_iteration(save: str) -> Optional[int]:
+    """The iteration the checkpoint tracker in ``save`` names, or None (no tracker, or not a
+    number): what a stage (or tools/nano_evidence.py) has finished."""
     path = os.path.join(save, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(path):
         return None
@@ -321,7 +323,7 @@ def import_step(cur: Curriculum, log=print) -> None:
     other query weights; ``init-method-std`` defaults to config.json's ``initializer_range`` (HF
     NemotronH draws q_proj from normal(0, initializer_range)), so Q_s starts as the paper says."""
     save = cur.import_save
-    if _tracker(save) is not None:
+    if saved_iteration(save) is not None:
         log(f"== import: done ({save})")
         return
     from megatron_subq.convert import import_hf  # noqa: PLC0415
@@ -390,7 +392,7 @@ def train_step(cur: Curriculum, st: Stage, nproc: int = 1, log=print) -> str:
     from load_flags import load_flags  # noqa: PLC0415
 
     iters = int(st.config["train-iters"])
-    at = _tracker(st.save)
+    at = saved_iteration(st.save)
     if at is not None and at >= iters:
         log(f"== stage {st.index}: done ({st.save} at iteration {at})")
         return "done"
@@ -400,7 +402,7 @@ def train_step(cur: Curriculum, st: Stage, nproc: int = 1, log=print) -> str:
     os.makedirs(st.save, exist_ok=True)
     with open(os.path.join(st.save, f"stage{st.index}.log"), "a", encoding="utf-8") as out:
         rc = subprocess.call(cmd, cwd=os.getcwd(), stdout=out, stderr=subprocess.STDOUT)
-    if rc != 0 or (_tracker(st.save) or 0) < iters:
+    if rc != 0 or (saved_iteration(st.save) or 0) < iters:
         raise RuntimeError(f"stage {st.index} ({st.source}) failed (exit {rc}); log: "
                            f"{os.path.join(st.save, f'stage{st.index}.log')}")
     return "trained"
@@ -410,7 +412,7 @@ def submit_slurm(cur: Curriculum, log=print) -> List[str]:
     """Submit the unfinished stages as a chain of train.sbatch jobs (``--dependency afterok``)."""
     job, ids = None, []
     for st in cur.stages:
-        if (_tracker(st.save) or 0) >= int(st.config["train-iters"]):
+        if (saved_iteration(st.save) or 0) >= int(st.config["train-iters"]):
             continue
         cmd = ["sbatch", "--parsable", "--nodes", str(st.nodes), "--job-name",
                f"subq-stage{st.index}"] + (["--dependency", f"afterok:{job}"] if job else []) + [

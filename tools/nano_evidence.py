@@ -58,6 +58,8 @@ from typing import Dict, List, Optional
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from tools.curriculum import saved_iteration  # noqa: E402 (no torch: the pack step stays light)
 RECIPE = os.path.join(ROOT, "recipes", "nemotron-3-nano-superlinear", "one-gpu")
 PY = sys.executable
 SYMBOL_BLOCK = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -127,14 +129,6 @@ def _write_yaml(path: str, data: dict, header: str = "") -> None:
         if header:
             f.write(header)
         yaml.safe_dump(data, f, sort_keys=False)
-
-
-def _tracker(save: str) -> Optional[int]:
-    path = os.path.join(save, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(path):
-        return None
-    text = open(path, encoding="utf-8").read().strip()
-    return int(text) if text.isdigit() else None
 
 
 def metrics_rows(path: str) -> List[dict]:
@@ -346,7 +340,6 @@ class Run:
     def prep(self) -> Dict[str, Job]:
         start = time.time()
         os.makedirs(self.data, exist_ok=True)
-        sys.path.insert(0, ROOT)
         from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: PLC0415
 
         tok = self.s["tokenizer"]
@@ -458,11 +451,11 @@ class Run:
         train = self.job("base-train", [PY, "examples/pretrain_hybrid.py", "--config", path],
                          os.path.join(self.base, "train.log"))
         wait_all([train], start + budget + 60, 30, self.log)
-        if _tracker(os.path.join(self.base, "train")) is None:
+        if saved_iteration(os.path.join(self.base, "train")) is None:
             raise RuntimeError(f"base training wrote no checkpoint (exit {train.rc}; log "
                                f"{train.log})")
         rate = throughput(metrics_rows(cfg["metrics-file"]), tokens)
-        self.info["iterations"]["base"].update(done=_tracker(os.path.join(self.base, "train")),
+        self.info["iterations"]["base"].update(done=saved_iteration(os.path.join(self.base, "train")),
                                                rate=rate)
         self.step("base: training", start, train.stopped or f"exit {train.rc}")
 
@@ -612,7 +605,7 @@ class Run:
             run = cur["out"]
             folder = os.path.join(self.work, "arms", arm)
             stages = [_yaml(os.path.join(folder, e["config"])) for e in cur["stages"]]
-            done = [(_tracker(s["save"]) or 0) >= int(s["train-iters"]) for s in stages]
+            done = [(saved_iteration(s["save"]) or 0) >= int(s["train-iters"]) for s in stages]
             if all(done):
                 steps = "eval,export" if self.left() > 0.6 * float(self.timing["after-s"]) \
                     else "eval"
@@ -620,15 +613,15 @@ class Run:
                                                       "--steps", steps],
                                      os.path.join(folder, "curriculum.log")))
                 self.info["after"][arm] = {"checkpoint": f"stage{len(stages)}",
-                                           "iteration": _tracker(stages[-1]["save"]),
+                                           "iteration": saved_iteration(stages[-1]["save"]),
                                            "complete": True, "steps": steps}
                 continue
             # the clock stopped a stage: the last checkpoint written
             load, label = os.path.join(run, "import"), "import"
             for k, s in enumerate(stages, start=1):
-                if _tracker(s["save"]):
+                if saved_iteration(s["save"]):
                     load, label = s["save"], f"stage{k}"
-            self.info["after"][arm] = {"checkpoint": label, "iteration": _tracker(load),
+            self.info["after"][arm] = {"checkpoint": label, "iteration": saved_iteration(load),
                                        "complete": False, "steps": "eval"}
             if label == "import":
                 self.info["notes"].append(f"{arm}: no stage saved a checkpoint; no after eval")
@@ -800,7 +793,7 @@ def summary(work: str) -> str:
         secs = sum(r["time_s"] for r in rows)
         losses = [r["lm_loss"] for r in rows if r.get("lm_loss") is not None]
         loss = f"{losses[0]:.2f} → {losses[-1]:.2f}" if losses else ""
-        done = _tracker(cfg["save"]) or 0
+        done = saved_iteration(cfg["save"]) or 0
         return (f"| {name} | {cfg['seq-length']} | {done} ({planned}) | "
                 f"{_count(len(rows) * tokens)} | {secs:.0f} | "
                 f"{f'{rate:,.0f}' if rate else '—'} | {loss} |")
