@@ -382,9 +382,13 @@ def make_sample(pool: SentencePool, tokenizer, length: int, depth: float, index:
         if fitted is None:
             # sentences tokenized together can take more tokens than alone (a byte-level BPE
             # merges across the joining spaces differently): when even no lead words overshoot,
-            # the next attempt's budget leaves that overshoot out
+            # the next attempt's budget ends that overshoot below the sentences taken now (a
+            # budget cut that stays above them would take the same sentences again: the next
+            # sentence can be long)
             bare, _ = _assemble([], sentences, needle_at, keys[0])
-            shrink += max(0, count_tokens(tokenizer, bare) - length)
+            over = count_tokens(tokenizer, bare) - length
+            if over > 0:
+                shrink += (budget - total) + over
             continue
         text, starts, ids = fitted
         # every needle and value exactly once (a value could occur in the corpus)
