@@ -12,7 +12,10 @@
 # The device call (kind nvidia-h100-x1, carry [".whl", "data"]):
 #   export CALL_T0=$(date +%s); source .whl/setup.sh && bash tools/gpu_nano_evidence.sh
 # $OUT gets two files: nano-evidence.tgz (configs, logs, metrics, NIAH JSON + heatmaps, the
-# summary; no checkpoints, weights or data) and nano-evidence.md (the summary, also printed).
+# summary; no checkpoints, weights or data) and nano-evidence.md (the summary, also printed);
+# and the Triton cache's parts (below), for the next call:
+#   for f in <files_at>/tcache.tgz.a*; do cp "$f" ".${f##*/}"; done
+# then carry [".whl", "data", ".tcache.tgz.aa", ".tcache.tgz.ab"].
 # Back here: mkdir -p /tmp/ne && tar -xzf <files_at>/nano-evidence.tgz -C /tmp/ne
 #
 # Arms: the first argument, a comma list of evidence.yaml's arms (default superlinear,standard);
@@ -42,7 +45,21 @@ if [ -e "$WORK" ]; then
 fi
 mkdir -p "$WORK" "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/nano_evidence_triton}
+# Triton's compile cache in .tcache/ (the path gpu_parallel.sh and gpu_kernel_suite.sh use: its
+# index records absolute paths, so a carried cache hits only there). The first training step
+# compiled for 99 s on an H200 on 2026-11-27 (Mamba-2's and the fused kernels): half the base's
+# time. Carried parts (.tcache.tgz.a*) are unpacked first; TCACHE_OUT=1 (default on a GPU) packs
+# the cache back as $OUT/tcache.tgz.a* (at most TCACHE_MAX_PARTS, 2: with .whl and data, 2 parts of
+# 15 MiB fill a call's 64 MiB carry) for the next call's carry.
+if [ -n "$DRY" ]; then export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/nano_evidence_triton}
+else export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.tcache}; fi
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -z "$DRY" ] && compgen -G ".tcache.tgz.a*" > /dev/null; then
+  cat .tcache.tgz.a* | tar -xz -C "$(dirname "$TRITON_CACHE_DIR")" \
+    || echo "warning: the carried .tcache.tgz.a* parts did not unpack; compiling afresh" >&2
+fi
+TCACHE_OUT=${TCACHE_OUT:-${DRY:+0}}; TCACHE_OUT=${TCACHE_OUT:-1}
+TCACHE_MAX_PARTS=${TCACHE_MAX_PARTS:-2}
 # NVLink multicast stays off on the shared machines (see the device notes)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -n "$DRY" ]; then
@@ -62,5 +79,15 @@ rc=${PIPESTATUS[0]}
 # always: the summary (printed) and the one tarball, whatever ran
 python3 tools/nano_evidence.py pack --work "$WORK" --tarball "$OUT/nano-evidence.tgz" \
   --summary "$OUT/nano-evidence.md" || rc=1
+if [ "$TCACHE_OUT" = 1 ] && [ -d "$TRITON_CACHE_DIR" ]; then
+  tdir=$(mktemp -d)
+  tar -cz -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" \
+    | split -b 15M - "$tdir/tcache.tgz."
+  n=$(ls "$tdir" | wc -l)
+  if [ "$n" -le "$TCACHE_MAX_PARTS" ]; then mv "$tdir"/tcache.tgz.* "$OUT/"
+    echo "tcache: $n part(s) in $OUT: carry them next call as .tcache.tgz.aa, ..."
+  else echo "tcache: $n parts, over TCACHE_MAX_PARTS=$TCACHE_MAX_PARTS: not kept"; fi
+  rm -rf "$tdir"
+fi
 echo "gpu_nano_evidence.sh: exit $rc, $(( $(date +%s) - CALL_T0 )) s since CALL_T0; files in $OUT"
 exit "$rc"
