@@ -130,3 +130,34 @@ def test_dry_run_end_to_end(tmp_path):
     assert [t["step"].split(":")[0] for t in timings["timings"]] == [
         "prep (tokenizer, random NemotronH)", "base", "base", "base", "arms", "arms", "arms"]
     assert timings["after"]["superlinear"]["complete"] is True
+
+
+def test_compile_warm_up_config_is_a_valid_trainer_config(tmp_path):
+    """The warm-up runs (Triton's compiles while the data is prepared: the first base step took
+    99 s on an H200) get base.yaml's model on mock data, 2 steps of one sequence, nothing loaded
+    or saved, the arm's variant in the '*' slots; the trainer's own parser accepts the config. On
+    the CPU (DRY) there is none."""
+    import argparse
+
+    from megatron_subq.training.arguments import parse_args
+
+    settings = ne.read_settings()
+    args = argparse.Namespace(work=str(tmp_path / "work"), t0=None, deadline=None)
+    run = ne.Run(args, dict(settings, dry=False), ["superlinear", "standard"])
+    os.makedirs(run.hf_random)
+    started = []
+    run.job = lambda name, cmd, log=None, nice=0: started.append((name, cmd)) or name
+    assert run.warm_up("superlinear") == "warm-superlinear"
+    (name, cmd), = started
+    path = cmd[cmd.index("--config") + 1]
+    cfg = yaml.safe_load(open(path))
+    assert cfg["attention-variant"] == "superlinear" and cfg["mock-data"] is True
+    assert cfg["train-iters"] == 2 and cfg["global-batch-size"] == 1
+    assert not set(ne.Run.WARM_DROP) & set(cfg)
+    base = yaml.safe_load(open(os.path.join(ONE_GPU, "base.yaml")))
+    assert cfg["hybrid-override-pattern"] == base["hybrid-override-pattern"]
+    assert cfg["seq-length"] == base["seq-length"]
+    parsed = parse_args(["--is-hybrid-model", "--config", path], world_size=1, check_files=False)
+    assert parsed.mock_data and parsed.attention_variant == "superlinear"
+    run.dry = True
+    assert run.warm_up("standard") is None and len(started) == 1

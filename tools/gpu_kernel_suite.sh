@@ -64,7 +64,7 @@ gpu_tests() {
      | grep '::' | sed "s|^tests/|$R/tests/|" > "$LOGS/ids_$tag.txt")
   # GPU_TESTS_BUDGET (s): stop the remaining ids then, so that the call still packs its logs
   (cd /tmp && timeout "${GPU_TESTS_BUDGET:-86400}" xargs -P "${GPU_P:-15}" -I{} -d '\n' \
-     timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s \
+     timeout "$STAGE_TIMEOUT" python3 -m pytest -q -s -rA \
      -p no:cacheprovider -m gpu "{}" < "$LOGS/ids_$tag.txt" > "$LOGS/tests_$tag.log" 2>&1)
   echo "$tag: $(wc -l < "$LOGS/ids_$tag.txt") test ids; $(grep -cE '^[0-9]+ passed' "$LOGS/tests_$tag.log") passed," \
        "$(grep -cE '^[0-9]+ (passed, )?[0-9]* ?(failed|error)' "$LOGS/tests_$tag.log") failed/errors"
