@@ -41,7 +41,7 @@
 # reached. Nothing is saved (no --save).
 # DRY=1 (implied without nvidia-smi): the same pipeline on the CPU: the recipe at a tiny shape
 # (2 layers, hidden 64, seq 128, bf16: --cross-entropy-loss-fusion refuses fp32), ITERS 6, GB 4,
-# MB 2, CONTROL_MB 1, the first MAX_DOCS (200) documents; about a minute on two cores. The
+# MB 2, CONTROL_MB 1, the first MAX_DOCS (200) documents; ~3 minutes on two idle cores. The
 # Triton RMSNorm/RoPE fall back to PyTorch on CPU tensors unless DRY_INTERPRET=1 (Triton's
 # interpreter: ~25 s per iteration at this size).
 # Knobs: ARMS (unfused,fused,control; unfused is required), ITERS (50), MB (8), GB (16),
@@ -119,7 +119,8 @@ if [ -z "$data" ]; then
   stamp "preprocessing $corpus (Mistral tokenizer${MAX_DOCS:+, first $MAX_DOCS documents})"
   # the command of gpu_multi.sh's data_prefix (and gpu_recipes.sh), into WORK
   mkdir -p "$WORK/data"
-  timeout $(( STOP - $(date +%s) )) python3 tools/preprocess_data.py --input "$corpus" \
+  left=$(( STOP - $(date +%s) )); (( left >= 1 )) || left=1   # timeout 0 would mean none
+  timeout "$left" python3 tools/preprocess_data.py --input "$corpus" \
     --output-prefix "$WORK/data/docs" --tokenizer-type GPTSentencePieceTokenizer \
     --tokenizer-model mistral --workers "$(( $(nproc) > 16 ? 16 : $(nproc) ))" --no-progress \
     ${MAX_DOCS:+--max-documents "$MAX_DOCS"} > "$WORK/preprocess.log" 2>&1 || {

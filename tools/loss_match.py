@@ -114,7 +114,8 @@ def check(arms: str, iters, mb, gb, control_mb, last=30, tol=1.0) -> dict:
         raise LossMatchError(f"NOISE_TOL={tol!r}: must be a positive number (1.0: the fused "
                              "difference at most the control's)")
     if gb % mb:
-        raise LossMatchError(f"GB={gb}: not a multiple of MB={mb} (one GPU: GB = MB x accumulation)")
+        raise LossMatchError(f"GB={gb}: not a multiple of MB={mb} (one GPU: GB = MB x "
+                             "accumulation steps)")
     if "control" in names:
         if gb % control_mb:
             raise LossMatchError(f"GB={gb}: not a multiple of CONTROL_MB={control_mb}")
@@ -147,7 +148,8 @@ def base_config(recipe: str, data: str, k: dict, work: str, dry: bool) -> dict:
         c.pop(key, None)
     if dry:
         c.update(DRY_SHAPE)
-    c.update({"data-path": [data], "split": "98,2,0", "data-cache-path": os.path.join(work, "cache"),
+    c.update({"data-path": [data], "split": "98,2,0",
+              "data-cache-path": os.path.join(work, "cache"),
               "train-iters": k["iters"], "global-batch-size": k["gb"], "micro-batch-size": k["mb"],
               "lr-warmup-iters": max(1, k["iters"] // 10), "eval-iters": 0,
               "eval-interval": 10 ** 9, "log-interval": 1})
@@ -279,7 +281,8 @@ def _f(x, fmt=".3e") -> str:
 def markdown(report: dict, knobs: dict) -> str:
     lines = ["## Loss match: fused vs unfused, against a bf16-noise control (issue 21)", ""]
     if knobs:
-        lines.append(f"Recipe {knobs.get('recipe')}{' (DRY: tiny CPU shape)' if knobs.get('dry') else ''}"
+        dry = " (DRY: tiny CPU shape)" if knobs.get("dry") else ""
+        lines.append(f"Recipe {knobs.get('recipe')}{dry}"
                      f", {knobs.get('iters')} iterations x global batch {knobs.get('gb')}, "
                      f"micro-batch {knobs.get('mb')} (control {knobs.get('control_mb')}), "
                      f"data {knobs.get('data')}.")
