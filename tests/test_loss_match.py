@@ -1,8 +1,8 @@
 """tools/loss_match.py and tools/gpu_loss_match.sh (issue 21's loss-curve evidence): the
 comparison on synthetic loss curves (within the control's noise, outside it, partial and unequal
 runs, non-finite losses), bad input refused naming the variable before anything is written, the
-tarball packed even when no arm could run; and (-m slow, ~1-3 minutes on 2 cores) the whole
-pipeline in its CPU dry mode."""
+tarball packed even when no arm could run; and (-m slow, ~3 minutes on 2 idle cores, 7.5 on a
+busy machine) the whole pipeline in its CPU dry mode."""
 
 import json
 import math
