@@ -141,6 +141,27 @@ def test_plan_writes_the_arms(tmp_path):
     assert len(lm.FUSION_FLAGS) == 6 and "subq-fused-adam" in lm.FUSION_FLAGS
 
 
+def test_the_trainer_takes_every_arm(tmp_path):
+    """Each arm's flags on the 1.3B plan pass the trainer's own parser (on the GPU a refused
+    flag would cost the arms before it): the same schedule and global batch everywhere."""
+    from megatron_subq.training import arguments
+
+    k = _plan(tmp_path, iters=50)
+    rows = dict(line.rstrip("\n").split("\t") for line in open(tmp_path / "arms.tsv"))
+    got = {}
+    for arm in k["arms"]:
+        a = arguments.parse_args(["--config", str(tmp_path / "base.yaml"), *rows[arm].split(),
+                                  "--metrics-file", str(tmp_path / f"{arm}.jsonl")],
+                                 world_size=1, check_files=False)
+        got[arm] = a
+        assert (a.global_batch_size, a.train_iters, a.seq_length, a.seed) == (16, 50, 2048, 1234)
+        assert a.bf16 and a.save is None and a.eval_iters == 0
+    assert got["unfused"].micro_batch_size == 8 and got["control"].micro_batch_size == 4
+    for flag in lm.FUSION_FLAGS:
+        name = flag.replace("-", "_")
+        assert getattr(got["fused"], name) and not getattr(got["unfused"], name), flag
+
+
 @pytest.mark.parametrize("env, message", [
     ({"ARMS": "unfused,turbo"}, "ARMS='unfused,turbo': unknown arm 'turbo'; allowed: a comma "
                                 "list of unfused, fused, control"),
