@@ -63,12 +63,13 @@ def main(argv=None) -> int:
     fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                    gridspec_kw={"height_ratios": [2, 1]})
     ref = runs[0]
-    for run, label in zip(runs, labels):
+    for k, (run, label) in enumerate(zip(runs, labels)):
         its = sorted(run)
-        ax.plot(its, [run[i] for i in its], label=label, lw=1.2)
-    for run, label in zip(runs[1:], labels[1:]):
-        its = sorted(set(run) & set(ref))
-        ax_d.plot(its, [run[i] - ref[i] for i in its], label=f"{label} − {labels[0]}", lw=1.0)
+        ax.plot(its, [run[i] for i in its], label=label, lw=1.2, color=f"C{k}")
+    for k, (run, label) in enumerate(zip(runs[1:], labels[1:]), start=1):
+        its = sorted(set(run) & set(ref))  # each run's colour in both panels
+        ax_d.plot(its, [run[i] - ref[i] for i in its], label=f"{label} − {labels[0]}", lw=1.0,
+                  color=f"C{k}")
     ax_d.axhline(0.0, color="grey", lw=0.6)
     ax.set_ylabel("training loss")
     ax_d.set_ylabel("difference")
