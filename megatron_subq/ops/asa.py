@@ -114,8 +114,14 @@ def asa_feature_maps(q, k, p_q, p_k) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     H, acc = q.shape[2], accumulation_dtype(q.dtype)
     q_feat = torch.einsum("bthd,hdm->bthm", q.to(acc), p_q.to(acc)).softmax(dim=-1)
-    k_feat = torch.einsum("bthd,hdm->bthm", repeat_kv(k, H).to(acc), p_k.to(acc)).softmax(dim=-1)
-    return q_feat, k_feat
+    return q_feat, asa_key_features(k, p_k, H, acc)
+
+
+def asa_key_features(k, p_k, heads: int, acc: torch.dtype) -> torch.Tensor:
+    """``k' = softmax(k P_K)`` alone, ``[B, T, heads, m]`` in ``acc`` (``asa_feature_maps``'
+    keys; a chunk's state needs no query features)."""
+    return torch.einsum("bthd,hdm->bthm", repeat_kv(k, heads).to(acc),
+                        p_k.to(acc)).softmax(dim=-1)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
