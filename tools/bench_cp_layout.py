@@ -287,10 +287,12 @@ def _profile(fn, steps, gpu, top=PROFILE_TOP):
         # aten ops that launched them carry it too, so keep the device-side entries only
         cuda = torch.autograd.DeviceType.CUDA
         kernels = [e for e in events if getattr(e, "device_type", None) == cuda]
-        kernels = kernels or [e for e in events if e.self_device_time_total > 0]
 
-        def us(e):
-            return e.self_device_time_total
+        def us(e):  # self_cuda_time_total before torch 2.4
+            return getattr(e, "self_device_time_total", None) or getattr(
+                e, "self_cuda_time_total", 0)
+
+        kernels = kernels or [e for e in events if us(e) > 0]
     else:
         kernels = [e for e in events if e.self_cpu_time_total > 0]
 
