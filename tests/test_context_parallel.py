@@ -43,7 +43,11 @@ CASES = [(name, variant_test_settings(name)) for name in CP_VARIANTS] + [
     # kernel returns the starting state's gradient (CP=1 runs the kernel too)
     (f"{name}-state-passing-kernel", {**variant_test_settings(name), "subq_impl": "kernel",
                                        "context_parallel_scheme": "state_passing"})
-    for name in ("approx", "nonapprox") if os.environ.get("TRITON_INTERPRET") == "1"]
+    for name in ("approx", "nonapprox") if os.environ.get("TRITON_INTERPRET") == "1"] + [
+    (f"asa-state-passing-kernel-{mode}", {**variant_test_settings("asa"), "asa_normalize": mode,
+                                          "subq_impl": "kernel",
+                                          "context_parallel_scheme": "state_passing"})
+    for mode in ("linear", "mean", "none") if os.environ.get("TRITON_INTERPRET") == "1"]
 TP_CASES = [(name, variant_test_settings(name)) for name in ("standard", "superlinear")]
 
 # the hybrid host: (name, pattern, attention slots, config overrides); Mamba groups split over

@@ -90,3 +90,25 @@ def test_layout_tool_times_state_passing(tmp_path, capsys):
                                                    abs=2e-3)
         assert r["chunk_tokens"] == 64 // (2 * r["cp"])
     assert "| state passing / all-to-all |" in capsys.readouterr().out
+
+
+def test_layout_tool_profiles_state_passing(tmp_path, capsys):
+    """tools/bench_cp_layout.py --profile on the CPU: the state passing step and the all-to-all
+    op each get their top ops by self time, in the log and the row's ``profile``."""
+    import json
+
+    from tools import bench_cp_layout
+
+    out = tmp_path / "layout.json"
+    assert bench_cp_layout.main(["--device", "cpu", "--seq", "64", "--heads", "4", "--head-dim",
+                                 "8", "--cp", "2", "--repeats", "1", "--state-passing", "asa",
+                                 "--profile", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["state_passing_rows"]
+    for path in ("state_passing", "all_to_all_op"):
+        prof = row["profile"][path]
+        assert prof["steps"] == 1 and prof["kind"] == "cpu ops"
+        assert 0 < len(prof["top"]) <= bench_cp_layout.PROFILE_TOP
+        assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] > 0
+    assert "profile asa state passing" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--state-passing"):
+        bench_cp_layout.main(["--device", "cpu", "--profile"])

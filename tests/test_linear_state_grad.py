@@ -1,6 +1,7 @@
-"""Gradients through the states of approx's and nonapprox's Triton kernels (context parallelism's
-state passing trains through them): the kernel's gradients w.r.t. q, k, v AND the initial state,
-with a loss that also uses the final state, against the chunked PyTorch reference's autograd.
+"""Gradients through the states of approx's, nonapprox's and asa's Triton kernels (context
+parallelism's state passing trains through them): the kernel's gradients w.r.t. q, k, v (asa:
+also p_q, p_k) AND the initial state, with a loss that also uses the final state, against the
+chunked PyTorch reference's autograd (asa: each normalisation).
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``). Inputs: ragged lengths (not multiples of the 64- or 32-token chunk),
@@ -195,6 +196,127 @@ def test_no_state_path_unchanged(name):
 
 
 # ------------------------------------------------------------------------------------------
+# asa
+# ------------------------------------------------------------------------------------------
+ASA = kernel_package("asa")
+ASA_MODES = ("linear", "mean", "none")
+
+
+def _asa_run(args, state, normalize, impl, use_o, use_final, w_o, w_final, tokens_before):
+    """o and the final state of ``ops.asa_prefill`` continuing from ``state``; the loss
+    <o, w_o> (use_o) + <S_T, w_S> + <z_T, w_z> (use_final); its gradients w.r.t. q, k, v, p_q,
+    p_k, S0 and z0."""
+    o, final = ops.asa_prefill(*args, normalize=normalize, state=ops.ASAState(*state),
+                               impl=impl, tokens_before=tokens_before)
+    loss = 0.0
+    if use_o:
+        loss = loss + (o.float() * w_o).sum()
+    if use_final:
+        loss = loss + sum((t.float() * w).sum() for t, w in zip(final, w_final))
+    return o, final, torch.autograd.grad(loss, [*args, *state], allow_unused=True)
+
+
+def _compare_asa(normalize, B, T0, T, H, H_kv, D, m, dtype=torch.float32, use_o=True,
+                 use_final=True, tokens_before=False, seed=5):
+    """The kernel against the chunked reference's autograd: o, the final state, and the
+    gradients of q, k, v, p_q, p_k and the initial state (S0, z0: the reference's state after
+    T0 earlier tokens). "mean" counts the earlier tokens as Σ_m z0 (whose gradient z0 gets)
+    or, with ``tokens_before``, as the host int T0."""
+    g = torch.Generator().manual_seed(seed)
+    p_q, p_k = (torch.randn(H, D, m, generator=g) * D ** -0.5 for _ in range(2))
+    past = [a.detach().float() for a in _qkv(B, T0, H, H_kv, D, torch.float32, seed + 1)]
+    _, st = ops.asa.asa_attention_chunked(*past, p_q, p_k, normalize)
+    state = [t.detach().clone().requires_grad_() for t in st]
+    args = _qkv(B, T, H, H_kv, D, dtype, seed + 2)
+    args += [p.to(device=DEVICE, dtype=dtype).requires_grad_() for p in (p_q, p_k)]
+    w_o = torch.randn(B, T, H, D, generator=g).to(DEVICE)
+    w_final = _weights(state, seed + 3)
+    count = T0 if tokens_before else None
+    o, final, got = _asa_run(args, state, normalize, "kernel", use_o, use_final, w_o, w_final,
+                             count)
+    ref_args = [a.detach().float().requires_grad_() for a in args]
+    ref_state = [t.detach().clone().requires_grad_() for t in state]
+    ref_o, ref_final, ref = _asa_run(ref_args, ref_state, normalize, "reference", use_o,
+                                     use_final, w_o, w_final, count)
+    names = ["dq", "dk", "dv", "dp_q", "dp_k", "d_S0", "d_z0"]
+    errors = {"o": rel_rms(o.float(), ref_o), "S": rel_rms(final.S, ref_final.S),
+              "z": rel_rms(final.z, ref_final.z)}
+    for name, x, r, t in zip(names, got, ref, [*args, *state]):
+        assert x is not None, name
+        r = torch.zeros_like(t, dtype=torch.float32) if r is None else r  # unused by the loss
+        if r.abs().max() == 0:  # zero by the math: held to the bound
+            errors[name] = x.abs().max().item()
+            continue
+        assert torch.isfinite(x).all(), name
+        errors[name] = rel_rms(x.float(), r.float())
+    assert got[5].dtype == got[6].dtype == torch.float32
+    print({k: f"{v:.1e}" for k, v in errors.items()})
+    bound = BOUNDS[dtype]
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"relative RMS above {bound}: {bad}"
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("scan, normalize", [
+    ("parallel", "linear"), ("parallel", "mean"), ("parallel", "none"),
+    ("sequential", "none"), pytest.param("sequential", "linear", marks=SLOW),
+    pytest.param("sequential", "mean", marks=SLOW)])
+def test_asa_state_gradients_fp32(normalize, scan, monkeypatch):
+    """fp32, ragged (40 earlier tokens, 70 = a 64-token chunk + 6), GQA (4 query heads on 2),
+    padded D (24 in 32) and m (12 in 16), Dv in two 16-wide blocks of the state scans: the
+    final state's gradient starts the reverse sums (z's too without the linear normalisation,
+    "none" on the sequential scan), the initial state's comes back; "mean" counts the earlier
+    tokens as Σ_m z0, whose gradient z0 gets."""
+    monkeypatch.setenv(ASA.function.LAUNCH_ENV, json.dumps(
+        {"scan": scan, "BV_state": 16, "BV_delta": 16}))
+    _compare_asa(normalize, 1, 40, 70, 4, 2, 24, 12)
+
+
+@pytest.mark.parametrize("normalize", [
+    "linear", pytest.param("mean", marks=SLOW), pytest.param("none", marks=SLOW)])
+def test_asa_state_gradients_fp16(normalize):
+    _compare_asa(normalize, 1, 30, 100, 4, 2, 32, 16, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("normalize", ["none", pytest.param("linear", marks=SLOW)])
+def test_asa_only_the_final_state_has_a_gradient(normalize):
+    """The loss reads only the final state: o gets no gradient (None into the backward); the
+    final z's gradient reaches the keys whatever the normalisation."""
+    _compare_asa(normalize, 1, 20, 70, 4, 2, 16, 8, use_o=False)
+
+
+@pytest.mark.parametrize("normalize", [
+    "mean", pytest.param("linear", marks=SLOW), pytest.param("none", marks=SLOW)])
+def test_asa_state_gradients_without_final_state_use(normalize):
+    """Only o in the loss (state passing's use), "mean" counting the earlier tokens as a host
+    int (no gradient into z0 through the count)."""
+    _compare_asa(normalize, 2, 20, 65, 4, 2, 16, 8, use_final=False, tokens_before=True)
+
+
+@pytest.mark.parametrize("scan, normalize", [
+    ("parallel", "linear"), ("sequential", "mean"), pytest.param("parallel", "none", marks=SLOW),
+    pytest.param("parallel", "mean", marks=SLOW), pytest.param("sequential", "linear", marks=SLOW),
+    pytest.param("sequential", "none", marks=SLOW)])
+def test_asa_no_state_path_unchanged(normalize, scan, monkeypatch):
+    """Without a state the kernel's gradients are those of the call without a final state,
+    bit for bit (the final state's unused outputs add nothing)."""
+    monkeypatch.setenv(ASA.function.LAUNCH_ENV, json.dumps({"scan": scan}))
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(*shape, generator=g).to(DEVICE).requires_grad_()
+            for shape in ((1, 70, 4, 16), (1, 70, 2, 16), (1, 70, 2, 16), (4, 16, 8), (4, 16, 8))]
+    d_o = torch.randn(1, 70, 4, 16, generator=g).to(DEVICE)
+    o = ops.asa_attention(*args, normalize=normalize, impl="kernel")
+    plain = torch.autograd.grad(o, args, d_o)
+    o2, _ = ops.asa_prefill(*args, normalize=normalize, impl="kernel")
+    with_final = torch.autograd.grad(o2, args, d_o)
+    assert torch.equal(o, o2)
+    for a, b in zip(plain, with_final):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------
 # GPU: the compiled kernels at the sizes training uses (not run by the CPU suite)
 # ------------------------------------------------------------------------------------------
 @pytest.mark.gpu
@@ -212,3 +334,13 @@ def test_approx_state_gradients_gpu(dtype, scan, monkeypatch):
 @pytest.mark.parametrize("D", [64, 128])
 def test_nonapprox_state_gradients_gpu(dtype, D):
     _compare("nonapprox", 2, 300, 1000, 8, 2, D, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scan", ["parallel", "sequential"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("normalize", ASA_MODES)
+def test_asa_state_gradients_gpu(normalize, dtype, scan, monkeypatch):
+    monkeypatch.setenv(ASA.function.LAUNCH_ENV, json.dumps({"scan": scan}))
+    _compare_asa(normalize, 2, 300, 1000, 8, 2, 128, 64, dtype=dtype)

@@ -3,7 +3,7 @@
 
     python tools/bench_cp_layout.py [--seq 65536] [--heads 16] [--kv-heads N] [--head-dim 128]
         [--cp 2 4] [--variants standard asa superlinear] [--device cuda|cpu] [--json FILE]
-        [--state-passing [asa approx nonapprox]]
+        [--state-passing [asa approx nonapprox]] [--profile [STEPS]]
 
 Per CP size, one rank's share of the exchange around ``attend`` (megatron_subq/attention.py):
 ``qkv_sequence_to_heads`` on q, k, v and ``heads_to_sequence`` on the output, forward and
@@ -41,6 +41,12 @@ too (wall clock). Printed per measurement, in the JSON's ``state_passing_rows`` 
 markdown table; the layout rows and the other output are unchanged. For the H200 numbers::
 
     python tools/bench_cp_layout.py --cp 2 4 --variants asa --state-passing asa approx nonapprox
+
+``--profile [STEPS]`` (with ``--state-passing``; default 3 steps): after the timings, per CP size
+and variant, ``torch.profiler`` over STEPS forward + backward steps of the state passing and of
+the all-to-all path's op (after one warm-up step each), printing the top 15 kernels by device
+time per step (on the GPU the CUDA kernels; ``--device cpu`` the CPU ops by self time), into the
+log and the row's ``profile`` in the JSON: where the time goes.
 """
 
 from __future__ import annotations
@@ -256,6 +262,61 @@ def _all_to_all_op(variant, cp, seq, heads, kv_heads, d, dev, dt):
     return step, qkv, core
 
 
+PROFILE_TOP = 15
+
+
+def _profile(fn, steps, gpu, top=PROFILE_TOP):
+    """``torch.profiler`` over ``steps`` calls of ``fn`` (after one warm-up call): the ``top``
+    kernels by self device time (GPU: the CUDA kernels; CPU: the ops by self CPU time), each
+    ``{"name", "calls", "ms_per_step", "share"}`` (share of the listed kind's total), and that
+    total per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    if gpu:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if gpu:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    if gpu:
+        # kernels (and memcpy/memset) run on the device: their own time is device time; the
+        # aten ops that launched them carry it too, so keep the device-side entries only
+        cuda = torch.autograd.DeviceType.CUDA
+        kernels = [e for e in events if getattr(e, "device_type", None) == cuda]
+
+        def us(e):  # self_cuda_time_total before torch 2.4
+            return getattr(e, "self_device_time_total", None) or getattr(
+                e, "self_cuda_time_total", 0)
+
+        kernels = kernels or [e for e in events if us(e) > 0]
+    else:
+        kernels = [e for e in events if e.self_cpu_time_total > 0]
+
+        def us(e):
+            return e.self_cpu_time_total
+    total = sum(us(e) for e in kernels)
+    kernels.sort(key=us, reverse=True)
+    return {"steps": steps, "kind": "cuda kernels" if gpu else "cpu ops",
+            "total_ms_per_step": round(total / 1e3 / steps, 4),
+            "top": [{"name": e.key, "calls": e.count // steps if steps else e.count,
+                     "ms_per_step": round(us(e) / 1e3 / steps, 4),
+                     "share": round(us(e) / total, 4) if total else 0.0}
+                    for e in kernels[:top]]}
+
+
+def _print_profile(cp, variant, path, prof):
+    print(f"cp {cp}  profile {variant} {path}: {prof['kind']}, "
+          f"{prof['total_ms_per_step']:.3f} ms per step in all; top {len(prof['top'])}:",
+          flush=True)
+    for e in prof["top"]:
+        print(f"    {e['ms_per_step']:9.3f} ms {100 * e['share']:5.1f}%  x{e['calls']:<4d} "
+              f"{e['name'][:110]}", flush=True)
+
+
 def _state_passing_rows(a, cp, kv, variants, layout, dev, dt, gpu):
     """Per variant: one rank's state passing against its all-to-all path (the packed layout
     just measured + the op on heads/cp), both forward + backward."""
@@ -274,9 +335,16 @@ def _state_passing_rows(a, cp, kv, variants, layout, dev, dt, gpu):
         step, qkv, core, state_bytes = _state_passing(variant, cp, a.seq, a.heads, kv,
                                                       a.head_dim, dev, dt)
         sp_ms, sp_eager = timed(step)
+        profiles = {}
+        if a.profile:
+            profiles["state_passing"] = _profile(step, a.profile, gpu)
+            _print_profile(cp, variant, "state passing", profiles["state_passing"])
         del step, qkv, core
         step, qkv, core = _all_to_all_op(variant, cp, a.seq, a.heads, kv, a.head_dim, dev, dt)
         op_ms, op_eager = timed(step)
+        if a.profile:
+            profiles["all_to_all_op"] = _profile(step, a.profile, gpu)
+            _print_profile(cp, variant, f"all-to-all op on h/{cp}", profiles["all_to_all_op"])
         impl = core.config.subq_impl
         del step, qkv, core
         if gpu:
@@ -294,6 +362,8 @@ def _state_passing_rows(a, cp, kv, variants, layout, dev, dt, gpu):
                      "all_to_all_op_eager_ms": round(op_eager, 3),
                      "all_to_all_ms": round(a2a, 3), "all_to_all_eager_ms": round(a2a_eager, 3),
                      "ratio": round(sp_ms / a2a, 4), "eager_ratio": round(sp_eager / a2a_eager, 4)})
+        if profiles:
+            rows[-1]["profile"] = profiles
         print(f"cp {cp}  state passing {variant:<9} {'device' if gpu else 'cpu'} time "
               f"{sp_ms:8.2f} ms (eager {sp_eager:8.2f}) | all-to-all: layout "
               f"{layout['packed']['ms']:6.2f} + op on h/{cp} {op_ms:8.2f} = {a2a:8.2f} ms "
@@ -318,8 +388,16 @@ def main(argv=None) -> int:
                    help="also time one CP rank's state passing (heads whole) against the "
                         "all-to-all path (layout + the op on heads/cp) for these variants "
                         f"(of {', '.join(STATE_PASSING_VARIANTS)}; none named: asa)")
+    p.add_argument("--profile", type=int, nargs="?", const=3, default=0, metavar="STEPS",
+                   help="with --state-passing: torch.profiler over STEPS (default 3) steps of "
+                        "the state passing and of the all-to-all op, the top "
+                        f"{PROFILE_TOP} kernels by device time per variant (log and JSON)")
     a = p.parse_args(argv)
     kv = a.kv_heads or a.heads
+    if a.profile and a.state_passing is None:
+        raise SystemExit("--profile profiles the --state-passing steps: name --state-passing too")
+    if a.profile < 0:
+        raise SystemExit(f"--profile {a.profile}: a number of steps >= 1")
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_cp_layout.py --device cuda needs a CUDA GPU (--device cpu: the "
                          "layout only)")

@@ -9,6 +9,8 @@ to HBM)::
                        o = num / den  (linear) | num (none) | num / (i+1) (mean)
     backward  g = dO / den, r = -(dO·o) / den (linear; r = 0 otherwise),
               reverse states: dS_c = Σ_{chunks > c} q'ᵀ g,  dz_c = Σ_{chunks > c} q'ᵀ r
+              (+ the final state's gradient dS_T, dz_T when a loss uses it); the initial
+              state's gradient is the reverse sums past the first chunk (dS_T + Σ_c q'ᵀ g)
 
 The scans run either as per-chunk deltas (parallel) plus a streaming prefix sum (default; the S
 and z sums in one launch with cfg ``fused_scan``, on by default), or as one fused loop over
@@ -329,14 +331,19 @@ def asa_chunk_delta_kernel(
 # ------------------------------------------------------------------------------------------
 @triton.jit
 def asa_bwd_states_kernel(
-    q_ptr, pq_ptr, do_ptr, den_ptr, r_ptr, dstates_ptr, dzs_ptr,
+    q_ptr, pq_ptr, do_ptr, den_ptr, r_ptr, dstates_ptr, dzs_ptr, ds0_ptr, dz0_ptr, dsf_ptr,
+    dzf_ptr,
     T, H, D, M, DV, NT,
     sqb, sqt, sqh,
     BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
-    NORM: tl.constexpr, PREC: tl.constexpr,
+    NORM: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
+    STORE_FINAL: tl.constexpr = False,
 ):
     """grid (cdiv(Dv, BV), B*H): dS_c = Σ_{chunks > c} q'ᵀ g and dz_c = Σ_{chunks > c} q'ᵀ r.
-    dO: [B, T, H, DV] contiguous; den, r: [B, H, T] fp32."""
+    dO: [B, T, H, DV] contiguous; den, r: [B, H, T] fp32.
+    HAS_INIT: the sums start at the final state's gradient (ds0, dz0: [B*H, M, DV] / [B*H, M]
+    fp32), and dz_c is stored whatever NORM (the final z's gradient reaches every chunk's k');
+    STORE_FINAL: the sums past the first chunk, the initial state's gradient, go to dsf, dzf."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     dt = q_ptr.dtype.element_ty
@@ -348,12 +355,15 @@ def asa_bwd_states_kernel(
     s_off = m_idx[:, None] * DV + v_cols[None, :]
     dS = tl.zeros([BM, BV], dtype=tl.float32)
     dz = tl.zeros([BM], dtype=tl.float32)
+    if HAS_INIT:
+        dS = tl.load(ds0_ptr + pid_bh * M * DV + s_off, mask=sv_mask, other=0.0)
+        dz = tl.load(dz0_ptr + pid_bh * M + m_idx, mask=feat_mask, other=0.0)
     q_base = q_ptr + b * sqb + h * sqh
     for i in range(NT):
         c = NT - 1 - i
         out = pid_bh * NT + c
         tl.store(dstates_ptr + out * M * DV + s_off, dS, mask=sv_mask)
-        if NORM == 0:
+        if NORM == 0 or HAS_INIT:
             if pid_v == 0:
                 tl.store(dzs_ptr + out * M + m_idx, dz, mask=feat_mask)
         t0 = c * BT
@@ -371,6 +381,10 @@ def asa_bwd_states_kernel(
         if NORM == 0:
             r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
             dz += tl.sum(qf * r[:, None], axis=0)
+    if STORE_FINAL:
+        tl.store(dsf_ptr + pid_bh * M * DV + s_off, dS, mask=sv_mask)
+        if pid_v == 0:
+            tl.store(dzf_ptr + pid_bh * M + m_idx, dz, mask=feat_mask)
 
 
 @triton.jit
@@ -442,7 +456,7 @@ def asa_bwd_block_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, DZ: tl.constexpr = False,
 ):
     """grid (NT · BT/RB, B*H): the gradients of one block of RB rows of a chunk (cfg bwd_rows),
     in two launches (fewer live registers each). The block meets the rest of its chunk in
@@ -454,7 +468,8 @@ def asa_bwd_block_kernel(
       + g Sᵀ + r zᵀ  ->  dℓ_q -> dq ``[B, T, H, D]``;
     * ``SIDE == 1`` (rows = keys j): dk' = Σ_{query blocks ≥ own} tril(g vᵀ + r 1ᵀ)ᵀ q'
       + v dSᵀ + dz and dv = Σ tril(q' k'ᵀ)ᵀ g + k' dS  ->  dℓ_k -> dk, dv per *query* head
-      ``[B, T, H, D(v)]`` (the caller sums GQA groups).
+      ``[B, T, H, D(v)]`` (the caller sums GQA groups). The key side adds dz_c when NORM is
+      linear or ``DZ`` (the final state's z has a gradient, which reaches every k').
 
     dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV columns; with
     NV = 1 the key side reads each query block once for both dA and dv, otherwise dv takes a
@@ -524,7 +539,7 @@ def asa_bwd_block_kernel(
         kf = _features(k_base, r0, t_stop, skt, _p_whole(pk_ptr, h, D, M, dt, BD, BDT, BM), pk_ptr,
                        h, D, M, feat_mask, row_mask, dt, RB, BD, BDT, BM, PREC).to(dt)
         dfeat = tl.zeros([RB, BM], dtype=tl.float32)
-        if NORM == 0:
+        if NORM == 0 or DZ:
             dz = tl.load(dzs_ptr + st * M + m_idx, mask=feat_mask, other=0.0)
             dfeat += dz[None, :]
         # the chunk's later states: dk' += v dSᵀ, dv = k' dS (+ the tiles below)

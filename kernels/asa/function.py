@@ -2,8 +2,14 @@
 
 Layout ``[B, T, H, D]`` (k, v: ``[B, T, H_kv, D]``, GQA), ``p_q, p_k: [H, D, m]``; the math and
 its conventions are those of ``megatron_subq.ops.asa`` (which tests compare against).
-Gradients flow to q, k, v, p_q and p_k; an initial state is an input without gradient and the
-final state an output without gradient (for prefill/decode, not for training through states).
+Gradients flow to q, k, v, p_q and p_k, and through the states: the initial state (S0, z0;
+fp32) gets its exact gradient, and the final state's gradient flows back into q, k, v, P and the
+initial state (context parallelism's state passing trains through them). The reverse scan
+starts at the final state's gradient and the initial state's gradient is where it ends (its sums
+past the first chunk); "mean" normalisation, whose count of earlier tokens is Σ_m z0 unless a
+count is given (``tokens_before``), adds that count's gradient to z0's. Without a state and
+without a gradient on the final state the backward does exactly what it did before (bit for bit,
+no extra work). Packed sequences (``cu_seqlens``) take no state.
 """
 
 from __future__ import annotations
@@ -281,27 +287,39 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     return states, zs, (s_final, z_final) if store_final else None
 
 
-def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None):
+def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None, init=None,
+                    store_final: bool = False):
     """dS_c = Σ_{chunks > c} q'ᵀ g, dz_c = Σ_{chunks > c} q'ᵀ r: [B, H, NT, m, Dv] / [.., m]
-    (chunks of the same sequence only, with a chunk table)."""
+    (chunks of the same sequence only, with a chunk table), and (store_final) the sums past the
+    first chunk, the initial state's gradient (fp32 ``([B, H, m, Dv], [B, H, m])``), or None.
+    ``init``: None or the final state's gradient (fp32, contiguous, the same shapes), where the
+    reverse sums start (the final state is the initial one plus every chunk's sums)."""
     B, T, H, D = q.shape
     Dv, m = d_o.shape[3], p_q.shape[2]
+    ds0, dz0 = init if init is not None else (None, None)
     if cfg.scan == "parallel" or chunks is not None:
         delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
         dtype = _state_dtype(q, cfg)
         if cfg.fused_scan:
-            return _scan_pair(delta, dz, None, None, cfg, True, False, chunks, dtype)[:2]
-        return (_scan(delta, None, cfg, True, False, chunks, dtype)[0],
-                _scan(dz, None, cfg, True, False, chunks)[0])
+            return _scan_pair(delta, dz, ds0, dz0, cfg, True, store_final, chunks, dtype)
+        dstates, s_final = _scan(delta, ds0, cfg, True, store_final, chunks, dtype)
+        dzs, z_final = _scan(dz, dz0, cfg, True, store_final, chunks)
+        return dstates, dzs, (s_final, z_final) if store_final else None
     dstates = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=q.device)
     dzs = torch.empty(B, H, NT, m, dtype=torch.float32, device=q.device)
+    ds_final, dz_final = dstates, dzs  # unwritten unless store_final
+    if store_final:
+        ds_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=q.device)
+        dz_final = torch.empty(B, H, m, dtype=torch.float32, device=q.device)
     asa_bwd_states_kernel[(triton.cdiv(Dv, cfg.BV_state), B * H)](
         q_ptr=q, pq_ptr=p_q, do_ptr=d_o, den_ptr=den, r_ptr=r, dstates_ptr=dstates, dzs_ptr=dzs,
+        ds0_ptr=ds0 if init is not None else dstates, dz0_ptr=dz0 if init is not None else dzs,
+        dsf_ptr=ds_final, dzf_ptr=dz_final,
         T=T, H=H, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
         BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_state, NORM=norm,
-        PREC=cfg.PREC,
+        PREC=cfg.PREC, HAS_INIT=init is not None, STORE_FINAL=store_final,
         num_warps=cfg.state_warps, num_stages=cfg.stages)
-    return dstates, dzs
+    return dstates, dzs, (ds_final, dz_final) if store_final else None
 
 
 def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
@@ -341,7 +359,11 @@ class ASAChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, p_q, p_k, normalize: str, s0: Optional[torch.Tensor],
                 z0: Optional[torch.Tensor], output_final_state: bool,
-                seq_bounds: Optional[list] = None):
+                seq_bounds: Optional[list] = None, tokens_before: Optional[int] = None):
+        """s0, z0: the initial state (fp32) or Nones; their gradients are returned when asked
+        for. The final state's two outputs are differentiable. ``tokens_before``: "mean"'s count
+        of earlier tokens as a host int (no gradient); None: Σ_m z0 (z0 gets its gradient)."""
+        ctx.set_materialize_grads(False)  # unused outputs: None, not zeros (no extra work)
         q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
         p_q, p_k = p_q.contiguous(), p_k.contiguous()
         B, T, H, D = q.shape
@@ -354,6 +376,9 @@ class ASAChunkFunction(torch.autograd.Function):
             s0, z0 = s0.contiguous(), z0.contiguous()
         if norm != 2:
             seen = None  # only "mean" reads the count of earlier tokens
+        elif tokens_before is not None:
+            seen = torch.full((B * H,), float(tokens_before), dtype=torch.float32,
+                              device=q.device)
         elif s0 is not None:
             seen = z0.sum(dim=-1).reshape(B * H).contiguous()  # tokens before (each k' sums to 1)
         else:
@@ -376,20 +401,30 @@ class ASAChunkFunction(torch.autograd.Function):
         kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
+        ctx.count_from_z0 = norm == 2 and tokens_before is None
         if final is None:
             return o, None, None
-        ctx.mark_non_differentiable(*final)
         return o, final[0], final[1]
 
     @staticmethod
-    def backward(ctx, d_o, _d_s_final, _d_z_final):
+    def backward(ctx, d_o, d_s_final, d_z_final):
         q, k, v, p_q, p_k, o, den, s0, z0, chunks, states, zs = ctx.saved_tensors
         cfg, norm = ctx.cfg, ctx.norm
         B, T, H, D = q.shape
         H_kv = k.shape[2]
         G = H // H_kv
         Dv, m = v.shape[3], p_q.shape[2]
-        d_o = d_o.contiguous()
+        # the final state's gradient (None: unused) starts the reverse sums; the initial
+        # state's gradient is where they end
+        init = None
+        if d_s_final is not None or d_z_final is not None:
+            f32 = dict(dtype=torch.float32, device=q.device)
+            init = (torch.zeros(B, H, m, Dv, **f32) if d_s_final is None
+                    else d_s_final.to(torch.float32).contiguous(),
+                    torch.zeros(B, H, m, **f32) if d_z_final is None
+                    else d_z_final.to(torch.float32).contiguous())
+        want_state = s0 is not None and any(ctx.needs_input_grad[6:8])
+        d_o = torch.zeros_like(o) if d_o is None else d_o.contiguous()
         if states is None:  # not kept by the forward (cfg keep_states): recomputed
             states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
@@ -400,7 +435,8 @@ class ASAChunkFunction(torch.autograd.Function):
             r = r.contiguous()
         else:
             r = den  # unused by the kernels
-        dstates, dzs = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT, chunks)
+        dstates, dzs, d_state = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT, chunks,
+                                                init, want_state)
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
@@ -421,7 +457,8 @@ class ASAChunkFunction(torch.autograd.Function):
                 svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
                 BV=cfg.BV_bwd,
                 NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
-                VARLEN=chunks is not None, num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+                VARLEN=chunks is not None, DZ=init is not None, num_warps=cfg.bwd_warps,
+                num_stages=cfg.stages)
         if G > 1:
             dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
             dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
@@ -429,13 +466,21 @@ class ASAChunkFunction(torch.autograd.Function):
             dk, dv = dk_h, dv_h
         dp_q = _param_grad(q, dlq, 1, cfg).to(p_q.dtype)
         dp_k = _param_grad(k, dlk, G, cfg).to(p_k.dtype)
-        return dq, dk, dv, dp_q, dp_k, None, None, None, None, None
+        d_s0 = d_z0 = None
+        if want_state:
+            d_s0, d_z0 = d_state
+            if ctx.count_from_z0:  # "mean": seen = Σ_m z0, d seen = Σ_t -(dO·o)/den = Σ_t r
+                d_z0 = d_z0 + _linear_r(d_o, o, den, cfg).sum(dim=-1, keepdim=True)
+            d_s0 = d_s0 if ctx.needs_input_grad[6] else None
+            d_z0 = d_z0 if ctx.needs_input_grad[7] else None
+        return dq, dk, dv, dp_q, dp_k, None, d_s0, d_z0, None, None, None
 
 
 def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_state=None,
                          output_final_state: bool = False,
                          cu_seqlens: Optional[torch.Tensor] = None,
-                         seq_bounds: Optional[list] = None):
+                         seq_bounds: Optional[list] = None,
+                         tokens_before: Optional[int] = None):
     """Causal ASA through the Triton kernels. Shapes as ``ops.asa_attention`` (checked there).
 
     Returns o ``[B, T, H, Dv]`` (q.dtype), or ``(o, ASAState(S, z))`` when
@@ -444,6 +489,10 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     combinable with initial/final states, which belong to one sequence). ``seq_bounds``: the
     list ``checks.check_cu_seqlens`` returned for it, which ``ops.asa_attention`` hands over so
     that a call syncs with the host once; without it the boundaries are checked (and read) here.
+    Autograd runs through the states both ways: ``initial_state``'s S and z get their gradient
+    and the returned state's are differentiable (context parallelism's state passing).
+    ``tokens_before`` ("mean" with an initial state): the count of earlier tokens as a host int
+    (exact, no gradient); None: Σ_m z of the initial state (as decode counts).
     """
     if q.is_cuda and not kernel_supports(q.shape[3], p_q.shape[2], v.shape[3]):
         raise ValueError(
@@ -476,8 +525,11 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
         # Triton's interpreter computes bf16 tl.dot wrongly: there (only) run on fp32 copies;
         # autograd casts the gradients back to bf16
         q, k, v, p_q, p_k = (x.float() for x in (q, k, v, p_q, p_k))
+    if tokens_before is not None and initial_state is None:
+        raise ValueError("asa_attention_kernel: tokens_before is given without initial_state")
     o, s_t, z_t = ASAChunkFunction.apply(q, k, v, p_q, p_k, normalize, s0, z0,
-                                         bool(output_final_state), seq_bounds)
+                                         bool(output_final_state), seq_bounds,
+                                         None if tokens_before is None else int(tokens_before))
     o = o.to(out_dtype)
     if output_final_state:
         return o, ASAState(s_t, z_t)

@@ -114,8 +114,14 @@ def asa_feature_maps(q, k, p_q, p_k) -> Tuple[torch.Tensor, torch.Tensor]:
     """
     H, acc = q.shape[2], accumulation_dtype(q.dtype)
     q_feat = torch.einsum("bthd,hdm->bthm", q.to(acc), p_q.to(acc)).softmax(dim=-1)
-    k_feat = torch.einsum("bthd,hdm->bthm", repeat_kv(k, H).to(acc), p_k.to(acc)).softmax(dim=-1)
-    return q_feat, k_feat
+    return q_feat, asa_key_features(k, p_k, H, acc)
+
+
+def asa_key_features(k, p_k, heads: int, acc: torch.dtype) -> torch.Tensor:
+    """``k' = softmax(k P_K)`` alone, ``[B, T, heads, m]`` in ``acc`` (``asa_feature_maps``'
+    keys; a chunk's state needs no query features)."""
+    return torch.einsum("bthd,hdm->bthm", repeat_kv(k, heads).to(acc),
+                        p_k.to(acc)).softmax(dim=-1)
 
 
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
@@ -139,7 +145,8 @@ def asa_attention_quadratic(q, k, v, p_q, p_k, normalize: str = "linear") -> tor
 
 
 def asa_attention_chunked(q, k, v, p_q, p_k, normalize: str = "linear",
-                          state: Optional[ASAState] = None, chunk_size: int = REFERENCE_CHUNK
+                          state: Optional[ASAState] = None, chunk_size: int = REFERENCE_CHUNK,
+                          tokens_before: Optional[int] = None
                           ) -> Tuple[torch.Tensor, ASAState]:
     """The chunked reference: exact causal products inside a chunk, the running state across.
 
@@ -149,7 +156,9 @@ def asa_attention_chunked(q, k, v, p_q, p_k, normalize: str = "linear",
         S += k'_cᵀ v_c                                  z += k'_cᵀ 1
 
     fp32 throughout. Returns ``(o [B, T, H, Dv] in q.dtype, final state)``; ``state`` (default:
-    zeros) is not modified.
+    zeros) is not modified. Autograd runs through the state both ways (S, z and the returned
+    state). ``tokens_before`` ("mean"): the count of earlier tokens (a host int, no gradient);
+    None: ``Σ_m z`` of the state.
     """
     B, T, H, H_kv, D, m = check_asa_args("asa_attention", q, k, v, p_q, p_k, normalize)
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -160,6 +169,8 @@ def asa_attention_chunked(q, k, v, p_q, p_k, normalize: str = "linear",
     _check_state("asa_attention", state, B, H, m, Dv, q)
     # Tokens before this call: Σ_m z (each k' is a probability vector), used by "mean".
     seen = state.z.sum(dim=-1)  # [B, H]
+    if tokens_before is not None:
+        seen = torch.full_like(seen, float(tokens_before)).detach()
     S, z = state.S.clone(), state.z.clone()
     q_feat, k_feat = asa_feature_maps(q, k, p_q, p_k)  # [B, T, H, m]
     q_feat, k_feat = q_feat.transpose(1, 2), k_feat.transpose(1, 2)  # [B, H, T, m]
@@ -264,12 +275,22 @@ def asa_attention(q, k, v, p_q, p_k, normalize: str = "linear", impl: Optional[s
 
 
 def asa_prefill(q, k, v, p_q, p_k, normalize: str = "linear", state: Optional[ASAState] = None,
-                impl: Optional[str] = None) -> Tuple[torch.Tensor, ASAState]:
+                impl: Optional[str] = None, tokens_before: Optional[int] = None
+                ) -> Tuple[torch.Tensor, ASAState]:
     """``asa_attention`` continuing from ``state`` (default: empty) and returning the final state,
-    so that prefill chunks and ``asa_decode_step`` continue one another."""
+    so that prefill chunks and ``asa_decode_step`` continue one another.
+
+    Both implementations differentiate through the state: ``state``'s S and z get their
+    gradient and the returned state is differentiable (context parallelism's state passing
+    trains through them; the kernel's backward returns the initial state's gradient).
+    ``tokens_before`` ("mean"): the count of earlier tokens as a host int (exact, no gradient);
+    None: ``Σ_m z`` of ``state``, which is that count up to fp32 rounding."""
     check_asa_args("asa_prefill", q, k, v, p_q, p_k, normalize)
+    if tokens_before is not None and state is None:
+        raise ValueError("asa_prefill: tokens_before is given without a state")
     kernel = _kernel(q, v, p_q, impl)
     if choose_impl("asa_prefill", impl, (q, k, v, p_q, p_k), kernel) == "kernel":
         return kernel(q, k, v, p_q, p_k, normalize=normalize, initial_state=state,
-                      output_final_state=True)
-    return asa_attention_chunked(q, k, v, p_q, p_k, normalize, state=state)
+                      output_final_state=True, tokens_before=tokens_before)
+    return asa_attention_chunked(q, k, v, p_q, p_k, normalize, state=state,
+                                 tokens_before=tokens_before)

@@ -22,8 +22,8 @@ import math
 import torch
 
 from ..attention import SubqCoreAttention, copy_state_
-from ..ops import asa_attention, asa_decode_step, asa_empty_state, asa_prefill
-from ..ops.asa import ASA_NORMALIZE_MODES, accumulation_dtype, asa_feature_maps
+from ..ops import ASAState, asa_attention, asa_decode_step, asa_empty_state, asa_prefill
+from ..ops.asa import ASA_NORMALIZE_MODES, accumulation_dtype, asa_key_features
 from ..ops.dispatch import repeat_kv
 from ..parallel import head_sharded_parameter
 from .base import Variant, knob_error
@@ -78,28 +78,18 @@ class ASACoreAttention(SubqCoreAttention):
 
     def chunk_state(self, q, k, v):
         """(S, z) = (Σ k'ᵀ v, Σ k') of this chunk alone, fp32: additive over chunks."""
-        _, k_feat = asa_feature_maps(q, k, self.p_q, self.p_k)  # [B, T, H, m]
+        k_feat = asa_key_features(k, self.p_k, q.shape[2], accumulation_dtype(q.dtype))
         vals = repeat_kv(v, q.shape[2]).to(k_feat.dtype)
         return torch.einsum("bthm,bthd->bhmd", k_feat, vals), k_feat.sum(dim=1)
 
     def attend_from_state(self, q, k, v, state, tokens_before):
-        """The chunk's own attention (the op from an empty state, kernel or reference) plus the
-        earlier tokens' state (S0, z0), in PyTorch: num = o·den_own + q' S0, then the
-        normalisation of ``asa_normalize`` over own and earlier tokens."""
-        s0, z0 = state
-        o = self.attend(q, k, v).float()
-        q_feat, k_feat = asa_feature_maps(q, k, self.p_q, self.p_k)
-        cross = torch.einsum("bthm,bhmd->bthd", q_feat, s0)
-        mode = self.config.asa_normalize
-        if mode == "none":
-            return (o + cross).to(q.dtype)
-        if mode == "linear":
-            own = (q_feat * k_feat.cumsum(dim=1)).sum(dim=-1)  # [B, T, H]
-            den = own + torch.einsum("bthm,bhm->bth", q_feat, z0)
-        else:  # "mean": own tokens 1..T after the tokens_before earlier ones (exact count)
-            own = torch.arange(1, q.shape[1] + 1, device=q.device, dtype=o.dtype)[None, :, None]
-            den = own + float(tokens_before)
-        return ((o * own.unsqueeze(-1) + cross) / den.unsqueeze(-1)).to(q.dtype)
+        """The chunk continuing from the earlier tokens' summed state (S0, z0):
+        ``ops.asa_prefill`` with ``subq_impl`` (the kernel where ``attend`` takes it — it
+        returns the starting state's gradient — else the chunked PyTorch form); "mean" counts
+        the ``tokens_before`` earlier tokens exactly (a host int)."""
+        return asa_prefill(q, k, v, self.cp_heads(self.p_q), self.cp_heads(self.p_k),
+                           normalize=self.config.asa_normalize, state=ASAState(*state),
+                           impl=self.config.subq_impl, tokens_before=tokens_before)[0]
 
 
 def attention_spec(config, layer_number: int, provider):
