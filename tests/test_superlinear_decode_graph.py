@@ -177,8 +177,7 @@ def test_gpu_generation_with_and_without_the_graph():
     model = _model(num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=2,
                    kv_channels=128, subq_impl=None, superlinear_sw_index=3,
                    superlinear_forward_factor=0.0, bf16=True, params_dtype=torch.bfloat16,
-                   use_cpu_initialization=False, max_sequence_length=1024)
-    model = model.cuda()
+                   max_sequence_length=1024).cuda()
     cores = _cores(model)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, VOCAB, (2, 560), generator=g).cuda()
@@ -203,3 +202,26 @@ def test_gpu_generation_with_and_without_the_graph():
         assert with_graph == generate(model, prompts, 40)
     finally:
         _set_graph(model, False)
+
+
+def test_generate_tool_passes_the_switch(monkeypatch):
+    """tools/generate.py --decode-cuda-graph rebuilds the checkpoint's model with
+    ``superlinear_decode_graph=True`` (and without the flag, leaves it as saved)."""
+    import megatron_subq.inference as inference
+    from tools import generate as tool
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(load, step, tp, **overrides):
+        seen.append(overrides)
+        raise Stop
+
+    monkeypatch.setattr(inference, "load_for_inference", fake_load)
+    for extra in (["--decode-cuda-graph"], []):
+        with pytest.raises(Stop):
+            tool.main(["--load", "ckpt", "--prompt", "1 2", "--max-new-tokens", "2", *extra])
+    assert seen == [dict(sequence_parallel=False, superlinear_decode_graph=True),
+                    dict(sequence_parallel=False)]

@@ -715,12 +715,15 @@ def add_ratios(rows: List[dict], baseline: Optional[str]) -> None:
 
 def table(rows: List[dict], baseline: Optional[str]) -> str:
     lines = [f"| context | arm | prefill tok/s | decode tok/s | ms/step | host ms/step | "
-             f"attention ms/step (layers) | peak GiB | decode vs {baseline or '-'} | "
+             f"attention ms/step (layers; cores) | peak GiB | decode vs {baseline or '-'} | "
              f"prefill vs {baseline or '-'} |", "|" + "---|" * 10]
     for r in rows:
         layers = r.get("attention_layers") or []
+        cores = [x["core_ms"] for x in layers if x.get("core_ms") is not None]
         attn = (f"{r['attention_ms_per_step']:.3f} ("
-                + ", ".join(f"{x['layer_ms']:.3f}" for x in layers) + ")") if layers else "-"
+                + ", ".join(f"{x['layer_ms']:.3f}" for x in layers)
+                + ("; cores " + ", ".join(f"{c:.3f}" for c in cores) if cores else "")
+                + ")") if layers else "-"
         d = r.get("decode_speedup_vs_baseline")
         p = r.get("prefill_speedup_vs_baseline")
         cells = [str(r["context"]), r["arm"], f"{r['prefill_tok_s']:,.0f}",
