@@ -256,7 +256,10 @@ def _load_args(load: str, ckpt_step, arm: Arm, cuda: bool):
         args.bf16 = True
     if not cuda:
         args.bf16 = args.fp16 = False
-    args._changed = saved_variant != arm.variant or bool(arm.knobs)
+    from megatron_subq.training.checkpointing import NON_MODEL_KNOBS  # noqa: PLC0415
+
+    args._changed = saved_variant != arm.variant or any(k not in NON_MODEL_KNOBS
+                                                        for k in arm.knobs)
     return args, vocab
 
 
