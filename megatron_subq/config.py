@@ -115,6 +115,15 @@ class SubqTransformerConfig(TransformerConfig):
     """Window index: window length w = floor((sw_index+1)^(1/p)) - 1 (32 -> 1088 at p=1/2)."""
     superlinear_allow_no_random_access: bool = False
     """Opt out of the random-context-access check (p + p_sp >= 1 and b >= 1/p)."""
+    superlinear_decode_graph: bool = False
+    """Generation: each superlinear layer's one-token decode step through a
+    ``SuperlinearDecodePlan`` (fixed launches, the step's integers in a device buffer), captured
+    in a CUDA graph per layer and capacity bucket and replayed (CUDA); on the CPU the plan runs
+    uncaptured (``subq_impl='kernel'``: the Triton interpreter) or, with the reference, the eager
+    step. Only the attention core's step is captured; the rest of the model stays eager. Off by
+    default: every bucket crossed costs a capture (a device sync and a garbage collection), each
+    layer keeps a plan's buffers, and the captured step has not yet been measured end to end
+    (docs/inference.md). Not with ``subq_impl='reference'``."""
 
     # ---- deconstructed-attention variants ------------------------------------------------
     mlp_attention_width: Optional[int] = None

@@ -102,6 +102,12 @@ def _check_first_tokens_outside_the_tool(argv, rows):
     (["--contexts", "1.5K"], "--contexts '1.5K' is invalid"),
     (["--decode-steps", "0"], "--decode-steps '0' is invalid"),
     (["--baseline", "dense"], "--baseline 'dense': no such arm"),
+    (["--decode-cuda-graph", "yes"], "--decode-cuda-graph 'yes' is invalid: allowed off, on, "
+                                     "both"),
+    (["--decode-cuda-graph", "on", "--variants", "standard"],
+     "--decode-cuda-graph on: no arm of variant 'superlinear'"),
+    (["--decode-cuda-graph", "both", "--variants", "slp=superlinear,slp-graph=standard"],
+     "--decode-cuda-graph both: the captured twin of arm 'slp' would be labelled 'slp-graph'"),
     (["--position-embedding-type", "learned_absolute", "--max-position-embeddings", "256"],
      "--contexts 260: with the decode steps 265 positions, more than the model's learned "
      "position table (--max-position-embeddings 256)"),
@@ -110,7 +116,8 @@ def test_bad_arguments_name_their_flag(tmp_path, extra, flag):
     argv = _argv(tmp_path)
     cut = argv.index("--")
     argv = argv[:cut] + extra + argv[cut:] if extra[0] in ("--variants", "--contexts",
-                                                           "--decode-steps", "--baseline") \
+                                                           "--decode-steps", "--baseline",
+                                                           "--decode-cuda-graph") \
         else argv + extra
     with pytest.raises(bench_decode.BenchError, match=None) as e:
         bench_decode.plan(argv)
@@ -158,3 +165,37 @@ def test_load_a_checkpoint_and_swap_its_variant(tmp_path):
         bench_decode.plan(["--load", save, "--", "--num-layers", "2"])
     with pytest.raises(bench_decode.BenchError, match="--load '/nonexistent'"):
         bench_decode.plan(["--load", "/nonexistent"])
+
+
+GPT_TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--num-query-groups", "2", "--kv-channels", "16", "--ffn-hidden-size", "128",
+            "--vocab-size", "256", "--superlinear-sw-index", "1", "--superlinear-forward-factor",
+            "0.5"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (fp32) path")
+def test_decode_cuda_graph_both_adds_the_planned_twin(tmp_path):
+    """``--decode-cuda-graph both``: each superlinear arm runs eager (LABEL) and through the
+    decode plan (LABEL-graph; on the CPU the plan uncaptured, its kernels in the interpreter:
+    ``subq_impl=kernel``). Context 15: the steps' lengths 16..19 cross the bucket boundary 16.
+    Both arms give the same greedy token after the prefill; the twin's steps all went through
+    the plan, the eager arm's none; no CUDA graph on the CPU. ``on`` keeps the labels."""
+    arms = "slp=superlinear:subq_impl=kernel,standard"
+    argv = ["--contexts", "15", "--variants", arms, "--prefill-chunk", "none",
+            "--decode-steps", "2", "--warmup-steps", "1", "--layer-steps", "1",
+            "--decode-cuda-graph", "both", "--json", str(tmp_path / "d.json"), "--", *GPT_TINY]
+    out = bench_decode.main(argv)
+    assert out["meta"]["decode_cuda_graph"] == "both" and out["meta"]["cuda_graph"] is False
+    rows = {r["arm"]: r for r in out["results"]}
+    assert list(rows) == ["slp", "slp-graph", "standard"]
+    eager, planned = rows["slp"], rows["slp-graph"]
+    assert planned["knobs"] == {"subq_impl": "kernel", "superlinear_decode_graph": "true"}
+    assert (eager["decode_cuda_graph"], planned["decode_cuda_graph"]) == (False, True)
+    assert eager["decode_plan_steps"] == 0 and rows["standard"]["decode_plan_steps"] == 0
+    assert planned["decode_plan_steps"] == 2 * (1 + 2 + 1)  # 2 layers x (warmup, timed, layer)
+    assert planned["decode_graph_captures"] == planned["decode_graph_captures_timed"] == 0
+    assert planned["first_tokens"] == eager["first_tokens"]
+    assert all(r["attention_ms_per_step"] > 0 for r in rows.values())
+    on = bench_decode.plan(argv[:argv.index("both")] + ["on"] + argv[argv.index("both") + 1:])
+    assert [(a.label, a.knobs.get("superlinear_decode_graph")) for a in on.arms] == [
+        ("slp", "true"), ("standard", None)]

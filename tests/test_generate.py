@@ -143,7 +143,9 @@ def test_hybrid_host_decodes_with_mamba_states(one_process):
     model = build_hybrid_model(config, vocab_size=VOCAB, max_sequence_length=64)
     session = _assert_decode_equals_full(model, "hybrid host")
     kinds = {type(c).__name__ for c in session.context.key_value_memory_dict.values()}
-    assert kinds == {"tuple", "KVCache"}  # Mamba (conv, ssm) states and the attention caches
+    # Mamba (conv, ssm) states and the attention caches (superlinear's: a KVCache subclass that
+    # also keeps its captured decode step)
+    assert kinds == {"tuple", "KVCache", "SuperlinearKVCache"}
 
 
 def test_megatron_mamba_mixer_takes_one_prefill_only(one_process):

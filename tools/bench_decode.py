@@ -28,6 +28,15 @@ of the timings. Ratios are against the baseline arm
 (``--baseline``, default the first arm of variant ``standard``). Each arm's model is freed
 before the next. The whole-model step is eager (no CUDA graph): host overhead is included.
 
+``--decode-cuda-graph on`` runs the superlinear arms' one-token attention steps through the
+captured plan (the config's ``superlinear_decode_graph``: a ``SuperlinearDecodePlan`` in a CUDA
+graph per layer and capacity bucket; only the attention core's step, the rest stays eager);
+``both`` runs each superlinear arm twice, eager as LABEL and captured as LABEL-graph (an arm
+can also set it itself: ``superlinear_decode_graph=true``). The rows record the switch
+(``decode_cuda_graph``), the steps that went through the plan and the graphs captured, in all
+and during the timed steps (0 unless a timed step entered a new capacity bucket). On the CPU
+the plan runs uncaptured with ``subq_impl=kernel`` (Triton's interpreter), else the eager step.
+
 Every argument is checked before anything is allocated; a bad one is an error naming its flag.
 """
 
@@ -86,6 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--verify-upto", default="0",
                    help="for contexts up to this length, check the greedy token after the "
                    "prefill against the argmax of scoring.full_logits on the same prompt")
+    p.add_argument("--decode-cuda-graph", default="off",
+                   help="superlinear arms' one-token steps through the captured plan "
+                   "(superlinear_decode_graph): off (default), on, or both (each superlinear "
+                   "arm twice: LABEL eager, LABEL-graph captured)")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler over a few decode steps: the top kernels per arm")
     p.add_argument("--json", default=None, help="write the results here (rewritten after "
@@ -243,7 +256,10 @@ def _load_args(load: str, ckpt_step, arm: Arm, cuda: bool):
         args.bf16 = True
     if not cuda:
         args.bf16 = args.fp16 = False
-    args._changed = saved_variant != arm.variant or bool(arm.knobs)
+    from megatron_subq.training.checkpointing import NON_MODEL_KNOBS  # noqa: PLC0415
+
+    args._changed = saved_variant != arm.variant or any(k not in NON_MODEL_KNOBS
+                                                        for k in arm.knobs)
     return args, vocab
 
 
@@ -282,6 +298,7 @@ class Plan:
     json: Optional[str]
     load: Optional[str]
     ckpt_step: Optional[int]
+    decode_graph: str = "off"
 
 
 def plan(argv: Optional[List[str]] = None) -> Plan:
@@ -334,7 +351,7 @@ def plan(argv: Optional[List[str]] = None) -> Plan:
         raise BenchError(f"--load: the model comes from the checkpoint; model flags "
                          f"{' '.join(model_argv[:4])} ... are not allowed with it (knobs go in "
                          "--variants)")
-    arms = parse_arms(ns.variants)
+    arms = apply_decode_graph(parse_arms(ns.variants), ns.decode_cuda_graph)
     labels = [a.label for a in arms]
     baseline = ns.baseline
     if baseline is not None and baseline not in labels:
@@ -367,7 +384,43 @@ def plan(argv: Optional[List[str]] = None) -> Plan:
         if not os.path.isdir(folder):
             raise BenchError(f"--json {ns.json}: folder {folder} does not exist")
     return Plan(contexts, arms, baseline, chunk, steps, warmup, layer_steps, batch, cuda, seed,
-                verify_upto, ns.profile, ns.json, ns.load, ckpt_step)
+                verify_upto, ns.profile, ns.json, ns.load, ckpt_step, ns.decode_cuda_graph)
+
+
+GRAPH_KNOB = "superlinear_decode_graph"
+DECODE_GRAPH_MODES = ("off", "on", "both")
+
+
+def apply_decode_graph(arms: List[Arm], mode: str) -> List[Arm]:
+    """``--decode-cuda-graph``: 'off' leaves the arms; 'on' sets ``superlinear_decode_graph``
+    on every superlinear arm that does not set it itself; 'both' adds, after each such arm, its
+    captured twin labelled LABEL-graph."""
+    if mode not in DECODE_GRAPH_MODES:
+        raise BenchError(f"--decode-cuda-graph {mode!r} is invalid: allowed "
+                         + ", ".join(DECODE_GRAPH_MODES))
+    if mode == "off":
+        return arms
+    targets = {id(a) for a in arms if a.variant == "superlinear" and GRAPH_KNOB not in a.knobs}
+    if not targets:
+        raise BenchError(f"--decode-cuda-graph {mode}: no arm of variant 'superlinear' without "
+                         f"its own {GRAPH_KNOB} knob (the captured step is superlinear's); "
+                         "allowed: off, or a superlinear arm in --variants")
+    out: List[Arm] = []
+    labels = {a.label for a in arms}
+    for arm in arms:
+        if id(arm) not in targets:
+            out.append(arm)
+        elif mode == "on":
+            out.append(dataclasses.replace(arm, knobs={**arm.knobs, GRAPH_KNOB: "true"}))
+        else:
+            twin = arm.label + "-graph"
+            if twin in labels:
+                raise BenchError(f"--decode-cuda-graph both: the captured twin of arm "
+                                 f"{arm.label!r} would be labelled {twin!r}, which --variants "
+                                 "already uses; rename that arm")
+            out += [arm, dataclasses.replace(arm, label=twin,
+                                             knobs={**arm.knobs, GRAPH_KNOB: "true"})]
+    return out
 
 
 def _check_fits(arm: Arm, contexts: List[int], need: int, batch: int, chunk, cuda: bool):
@@ -440,6 +493,17 @@ class Clock:
     def sync(self):
         if self.cuda:
             self.torch.cuda.synchronize()
+
+
+def _superlinear_cores(model) -> list:
+    from megatron_subq.variants.superlinear import SuperlinearCoreAttention  # noqa: PLC0415
+
+    return [m for m in model.modules() if isinstance(m, SuperlinearCoreAttention)]
+
+
+def _graph_counts(cores) -> tuple:
+    """(one-token steps through a plan, CUDA graphs captured), summed over the cores."""
+    return (sum(c.decode_plan_steps for c in cores), sum(c.decode_graph_captures for c in cores))
 
 
 def _attention_modules(model):
@@ -563,9 +627,12 @@ def run_arm(plan_: Plan, arm: Arm, model, length: int) -> dict:
                              match=bool(torch.equal(ref.argmax(dim=-1), first)),
                              max_abs_logit_diff=float((ref - logits).abs().max()))
     token = first
+    cores = _superlinear_cores(model)
+    counts0 = _graph_counts(cores)
     for _ in range(plan_.warmup):
         token = session.step(token).argmax(dim=-1)
     clock.sync()
+    counts_timed = _graph_counts(cores)
     step_marks, host_ms = [], []
     t0 = time.perf_counter()
     for _ in range(plan_.steps):
@@ -597,6 +664,11 @@ def run_arm(plan_: Plan, arm: Arm, model, length: int) -> dict:
         row["attention_layers"] = [dict(layer=n, layer_ms=per[f"attention{n}"],
                                         core_ms=per.get(f"core{n}")) for n in layers]
         row["attention_ms_per_step"] = sum(per[f"attention{n}"] for n in layers)
+    counts = _graph_counts(cores)
+    row.update(decode_cuda_graph=bool(getattr(arm.config, GRAPH_KNOB, False)),
+               decode_plan_steps=counts[0] - counts0[0],
+               decode_graph_captures=counts[1] - counts0[1],
+               decode_graph_captures_timed=counts[1] - counts_timed[1])
     if plan_.profile:
         row["profile"] = _profile(session, token)
     if plan_.cuda:
@@ -646,12 +718,15 @@ def add_ratios(rows: List[dict], baseline: Optional[str]) -> None:
 
 def table(rows: List[dict], baseline: Optional[str]) -> str:
     lines = [f"| context | arm | prefill tok/s | decode tok/s | ms/step | host ms/step | "
-             f"attention ms/step (layers) | peak GiB | decode vs {baseline or '-'} | "
+             f"attention ms/step (layers; cores) | peak GiB | decode vs {baseline or '-'} | "
              f"prefill vs {baseline or '-'} |", "|" + "---|" * 10]
     for r in rows:
         layers = r.get("attention_layers") or []
+        cores = [x["core_ms"] for x in layers if x.get("core_ms") is not None]
         attn = (f"{r['attention_ms_per_step']:.3f} ("
-                + ", ".join(f"{x['layer_ms']:.3f}" for x in layers) + ")") if layers else "-"
+                + ", ".join(f"{x['layer_ms']:.3f}" for x in layers)
+                + ("; cores " + ", ".join(f"{c:.3f}" for c in cores) if cores else "")
+                + ")") if layers else "-"
         d = r.get("decode_speedup_vs_baseline")
         p = r.get("prefill_speedup_vs_baseline")
         cells = [str(r["context"]), r["arm"], f"{r['prefill_tok_s']:,.0f}",
@@ -684,6 +759,7 @@ def _meta(plan_: Plan) -> dict:
         load=plan_.load, contexts=plan_.contexts, batch=plan_.batch,
         prefill_chunk=plan_.chunk, decode_steps=plan_.steps, warmup_steps=plan_.warmup,
         layer_steps=plan_.layer_steps, baseline=plan_.baseline, cuda_graph=False,
+        decode_cuda_graph=plan_.decode_graph,
         arms=[dict(label=x.label, variant=x.variant, knobs=x.knobs,
                    layer_variants=list(x.config.layer_variants)) for x in plan_.arms])
 

@@ -11,7 +11,9 @@ size, PP = 1). Prompts: every ``--prompt``, then every line of ``--prompt-file``
 string under ``--json-key``, default ``prompt``). Prints each completion (on the first rank) and,
 with ``--output``, writes one JSON line per prompt: ``prompt``, ``completion``, ``tokens`` (the
 new token ids). Greedy unless ``--temperature`` > 0; generation stops at the tokenizer's EOD
-unless ``--ignore-eos``. See docs/inference.md.
+unless ``--ignore-eos``. ``--decode-cuda-graph``: the superlinear layers' one-token steps through
+the captured decode plan (the config's ``superlinear_decode_graph``; the same tokens). See
+docs/inference.md.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="prompt tokens per forward (default: the whole prompt)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOD token")
+    p.add_argument("--decode-cuda-graph", action="store_true",
+                   help="superlinear layers' one-token decode steps through a "
+                   "SuperlinearDecodePlan captured in a CUDA graph per layer and capacity "
+                   "bucket (superlinear_decode_graph; on the CPU the eager step, or the plan "
+                   "uncaptured where the checkpoint's subq_impl is 'kernel')")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--output", default=None, help="write JSON lines of the completions here")
     args = p.parse_args(argv)
@@ -82,8 +89,9 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     import megatron_subq  # noqa: F401,PLC0415  (warnings filters, kernels registration)
     from megatron_subq.inference import generate, load_for_inference, unload  # noqa: PLC0415
 
+    overrides = dict(superlinear_decode_graph=True) if args.decode_cuda_graph else {}
     loaded = load_for_inference(args.load, args.ckpt_step, args.tensor_model_parallel_size,
-                                sequence_parallel=False)
+                                sequence_parallel=False, **overrides)
     records = []
     try:
         tok = loaded.tokenizer

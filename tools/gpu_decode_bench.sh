@@ -17,8 +17,14 @@
 #     source .whl/setup.sh && bash tools/gpu_decode_bench.sh 1048576          # call 2
 #   (default: all three contexts in one call, T_64K + T_256K + T_1M = 560 s)
 # Knobs (environment): OUT, ARMS, CHUNK (prefill chunk, 8192), STEPS (decode steps, 32), WARMUP
-# (4), LAYER_STEPS (8), BATCH (1), PROFILE=1 (torch.profiler's top kernels per arm), EXTRA (more
-# bench_decode.py flags), T_64K / T_256K / T_1M / T_OTHER (timeouts, s).
+# (4), LAYER_STEPS (8), BATCH (1), PROFILE=1 (torch.profiler's top kernels per arm), GRAPH
+# (bench_decode.py --decode-cuda-graph: off (default), on, or both: each superlinear arm also as
+# LABEL-graph, its one-token attention steps through the plan captured in a CUDA graph per layer
+# and capacity bucket; GRAPH=1 means both), EXTRA (more bench_decode.py flags), T_64K / T_256K /
+# T_1M / T_OTHER (timeouts, s).
+#   eager vs captured at 1M, superlinear and dense (one H200, ~240 s):
+#     source .whl/setup.sh && ARMS=superlinear,standard GRAPH=both T_1M=230 \
+#       bash tools/gpu_decode_bench.sh 1048576
 set -uo pipefail
 OUT=${OUT:-runs/gpu-decode}; mkdir -p "$OUT"
 CONTEXTS=${*:-"65536 262144 1048576"}
@@ -26,6 +32,7 @@ ARMS=${ARMS:-"superlinear,ext=superlinear:superlinear_backward_factor=4:\
 superlinear_forward_factor=2,standard"}
 CHUNK=${CHUNK:-8192}; STEPS=${STEPS:-32}; WARMUP=${WARMUP:-4}; LAYER_STEPS=${LAYER_STEPS:-8}
 BATCH=${BATCH:-1}
+GRAPH=${GRAPH:-off}; [ "$GRAPH" = 1 ] && GRAPH=both
 NANO12=(--hybrid-override-pattern "MEMEM*EMEM*E" --num-layers 12 --hidden-size 2688
   --num-attention-heads 32 --num-query-groups 2 --kv-channels 128 --ffn-hidden-size 1856
   --mamba-num-heads 64 --mamba-head-dim 64 --mamba-state-dim 128 --mamba-num-groups 8
@@ -40,10 +47,12 @@ for ctx in $CONTEXTS; do
     65536) t=${T_64K:-110} ;; 262144) t=${T_256K:-170} ;; 1048576) t=${T_1M:-280} ;;
     *) t=${T_OTHER:-200} ;;
   esac
-  echo "== context $ctx: arms $ARMS, timeout ${t}s" | tee -a "$OUT/plan.txt"
+  echo "== context $ctx: arms $ARMS, decode CUDA graph $GRAPH, timeout ${t}s" \
+    | tee -a "$OUT/plan.txt"
   timeout -k 10 "$t" python3 tools/bench_decode.py --contexts "$ctx" --variants "$ARMS" \
     --prefill-chunk "$CHUNK" --decode-steps "$STEPS" --warmup-steps "$WARMUP" \
     --layer-steps "$LAYER_STEPS" --batch-size "$BATCH" ${PROFILE:+--profile} \
+    --decode-cuda-graph "$GRAPH" \
     --json "$OUT/decode-$ctx.json" ${EXTRA:-} -- "${NANO12[@]}" 2>&1 \
     | grep -v -i "warn" | tee "$OUT/decode-$ctx.log"
   rc=${PIPESTATUS[0]}
@@ -66,7 +75,9 @@ add_ratios(rows, meta.get("baseline"))
 text = table(rows, meta.get("baseline"))
 head = (f"{meta.get('device')}, {meta.get('dtype')}, {meta.get('host')} {meta.get('pattern')}, "
         f"Mamba mixer {meta.get('mamba_mixer')}, batch {meta.get('batch')}, prefill chunk "
-        f"{meta.get('prefill_chunk')}, {meta.get('decode_steps')} decode steps, eager (no CUDA graph)")
+        f"{meta.get('prefill_chunk')}, {meta.get('decode_steps')} decode steps, model step eager "
+        f"(no whole-model CUDA graph); superlinear attention step captured: "
+        f"{meta.get('decode_cuda_graph', 'off')} (*-graph arms)")
 open(os.path.join(out, "summary.md"), "w").write(head + "\n\n" + text + "\n")
 print(head); print(text)
 EOF

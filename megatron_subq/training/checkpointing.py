@@ -163,7 +163,8 @@ TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "vocab_size", "make_vocab
 # variant knobs that choose an implementation, a parallel layout or an evaluation ablation, not
 # the model
 NON_MODEL_KNOBS = ("subq_impl", "subq_fused_norm", "subq_fused_rope", "skip_variant_layers",
-                   "superlinear_allow_no_random_access", "mamba_impl", "context_parallel_scheme")
+                   "superlinear_allow_no_random_access", "superlinear_decode_graph", "mamba_impl",
+                   "context_parallel_scheme")
 
 
 def _knob_owner(field_name: str) -> Optional[str]:

@@ -28,7 +28,10 @@ column-parallel ``hidden -> H * D`` projection whose output heads line up with t
 * Decoding: a KV cache (K is also the search key, so nothing else is kept), the chunks through
   ``ops.superlinear_prefill`` and single tokens through ``ops.superlinear_decode_step`` (O(√L)
   keys read per token at p = 1/2); the inference context reaches the core through
-  ``SubqSelfAttention``, which this module extends.
+  ``SubqSelfAttention``, which this module extends. With ``superlinear_decode_graph`` the
+  one-token step runs through a ``SuperlinearDecodePlan`` instead, captured in a CUDA graph per
+  layer and capacity bucket (``DecodeStepGraph``): only the core's step is captured, the
+  projections, the cache write and the rest of the model stay eager.
 
 Not supported (clear errors): cross attention, attention bias, the output gate, the fused QKV
 RoPE. Context parallelism: the shared
@@ -50,6 +53,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..attention import KVCache, SubqCoreAttention
 from ..ops import superlinear_attention, superlinear_decode_step, superlinear_prefill
+from ..ops.dispatch import choose_impl
 from .base import Variant, knob_error
 from .standard import SubqSelfAttention, self_attention_spec
 
@@ -61,6 +65,63 @@ def superlinear_knobs(config) -> dict:
                 backward_factor=config.superlinear_backward_factor,
                 forward_factor=config.superlinear_forward_factor,
                 sw_index=config.superlinear_sw_index)
+
+
+class DecodeStepGraph:
+    """One superlinear layer's one-token decode step at every length of one capacity bucket
+    ``(C/2, C]``: a ``SuperlinearDecodePlan`` and, with ``capture`` (CUDA), a CUDA graph of its
+    launches, captured at the first step of the bucket and replayed at the others.
+
+    Static inputs: ``query`` ``[B, 2·np, D]`` (the step's query heads, then their search
+    queries; ``run`` copies the new token's into it, one copy) and the layer's KV cache
+    tensors, allocated once per decode session (``max_length`` rows; the new token's key and
+    value are written into them eagerly before ``run``). ``run`` writes the step's integers into
+    the plan's device buffer (``set_length``), then replays (or, without capture, launches the
+    plan's kernels) and returns the plan's static output ``[B, np, D]``: valid until this
+    layer's next step (the model consumes it at once). Equal to ``superlinear_decode_step``'s
+    kernel at the same length bitwise (the plan's guarantee)."""
+
+    def __init__(self, query: torch.Tensor, cache: KVCache, capacity: int, knobs: dict,
+                 capture: bool):
+        from ..kernels.superlinear import SuperlinearDecodePlan  # noqa: PLC0415 (Triton)
+
+        B, two_np, D = query.shape
+        np_ = two_np // 2
+        self.capacity, self.capture = capacity, capture
+        self.query = torch.empty(B, two_np, D, dtype=query.dtype, device=query.device)
+        self.q, self.q_s = self.query[:, :np_], self.query[:, np_:]
+        self.k, self.v = cache.k, cache.v
+        self.plan = SuperlinearDecodePlan(B, np_, cache.k.shape[2], D, capacity, query.dtype,
+                                          query.device, **knobs)
+        self.graph = None
+        self.replays = 0
+
+    def _launch(self) -> torch.Tensor:
+        return self.plan.run(self.q, self.q_s, self.k, self.v)
+
+    def run(self, query: torch.Tensor, length: int) -> torch.Tensor:
+        """The step of the query at position ``length - 1`` (``query`` ``[B, 2·np, D]``) over
+        cache positions ``[0, length)``."""
+        self.query.copy_(query)
+        self.plan.set_length(length)
+        if not self.capture:
+            return self._launch()
+        if self.graph is None:
+            from ..cuda_graphs import capture_cuda_graph  # noqa: PLC0415
+
+            self.graph, _ = capture_cuda_graph(self._launch)
+        self.graph.replay()
+        self.replays += 1
+        return self.plan.out
+
+
+@dataclass
+class SuperlinearKVCache(KVCache):
+    """The layer's KV cache plus its current ``DecodeStepGraph`` (``superlinear_decode_graph``;
+    None until the first planned step, replaced when the length enters the next capacity
+    bucket). A new decode session builds a new cache, and so drops the captured step."""
+
+    decode_step: Optional[DecodeStepGraph] = None
 
 
 class SuperlinearCoreAttention(SubqCoreAttention):
@@ -78,6 +139,10 @@ class SuperlinearCoreAttention(SubqCoreAttention):
         if self.softmax_scale is not None:
             raise ValueError(f"softmax_scale={self.softmax_scale!r} is invalid for superlinear: "
                              "allowed None (span attention uses 1/sqrt(kv_channels))")
+        # superlinear_decode_graph's bookkeeping (tests and tools/bench_decode.py read it): CUDA
+        # graphs captured, and one-token steps run through a plan (captured or not)
+        self.decode_graph_captures = 0
+        self.decode_plan_steps = 0
 
     def _split(self, q):
         np_ = self.num_heads_local
@@ -94,16 +159,53 @@ class SuperlinearCoreAttention(SubqCoreAttention):
                                      impl=self.config.subq_impl)
 
     def new_decode_cache(self, q, k, v, max_length):
-        return KVCache.like(k, v, max_length)
+        return SuperlinearKVCache.like(k, v, max_length)
+
+    def decode_step_mode(self, q: torch.Tensor) -> Optional[str]:
+        """How a one-token step runs: None (``superlinear_decode_step``, eager), 'plan' (a
+        ``SuperlinearDecodePlan`` uncaptured: the CPU, Triton's interpreter) or 'graph' (the plan
+        in a CUDA graph). The plan only with ``superlinear_decode_graph`` and where the op would
+        run its kernel (CUDA, or ``subq_impl='kernel'`` on the CPU); the interpreter has no
+        bf16, so bf16 on the CPU stays eager (the eager kernel computes it on fp32 copies)."""
+        if not self.config.superlinear_decode_graph:
+            return None
+        from ..ops.superlinear import _decode_kernel  # noqa: PLC0415
+
+        if choose_impl("superlinear_decode_step", self.config.subq_impl, (q,),
+                       _decode_kernel()) != "kernel":
+            return None
+        if q.is_cuda:
+            return "graph"
+        return None if q.dtype == torch.bfloat16 else "plan"
+
+    def _planned_step(self, query, cache, end: int, capture: bool):
+        """query ``[B, 2·np, D]`` -> ``[B, np, D]`` through the cache's ``DecodeStepGraph`` of
+        ``end``'s capacity bucket (a new one, captured at its first step, on entering it)."""
+        from ..kernels.superlinear.plan import capacity_bucket  # noqa: PLC0415
+
+        capacity = capacity_bucket(end)
+        step = cache.decode_step
+        if step is None or step.capacity != capacity or step.capture != capture:
+            cache.decode_step = None  # the old bucket's buffers and graph go first
+            step = cache.decode_step = DecodeStepGraph(query, cache, capacity,
+                                                       superlinear_knobs(self.config), capture)
+            self.decode_graph_captures += capture
+        self.decode_plan_steps += 1
+        return step.run(query, end)
 
     def attend_cached(self, q, k, v, cache, start):
-        """One token: ``superlinear_decode_step`` (O(√L) cache rows read); a chunk:
-        ``superlinear_prefill``. Both read the cache buffers up to the chunk's end only."""
+        """One token: ``superlinear_decode_step`` (O(√L) cache rows read), or its plan (captured
+        on CUDA) with ``superlinear_decode_graph`` (``decode_step_mode``); a chunk:
+        ``superlinear_prefill``. Each reads the cache buffers up to the chunk's end only."""
+        query = q
         q, q_s = self._split(q)
         end = start + q.shape[1]
         cache.append(k, v, start)
         knobs = dict(superlinear_knobs(self.config), impl=self.config.subq_impl)
         if q.shape[1] == 1:
+            mode = self.decode_step_mode(q)
+            if mode is not None and isinstance(cache, SuperlinearKVCache):
+                return self._planned_step(query[:, 0], cache, end, mode == "graph")[:, None]
             return superlinear_decode_step(q[:, 0], q_s[:, 0], cache.k, cache.v, length=end,
                                            **knobs)[:, None]
         return superlinear_prefill(q, q_s, cache.k[:, :end], cache.v[:, :end], start=start,
@@ -197,6 +299,12 @@ def check_knobs(config) -> None:
         knob_error("superlinear_forward_factor", f, "a number >= 0")
     if not isinstance(config.superlinear_sw_index, int) or config.superlinear_sw_index < 0:
         knob_error("superlinear_sw_index", config.superlinear_sw_index, "an integer >= 0")
+    if not isinstance(config.superlinear_decode_graph, bool):
+        knob_error("superlinear_decode_graph", config.superlinear_decode_graph, "True or False")
+    if config.superlinear_decode_graph and config.subq_impl == "reference":
+        raise ValueError("superlinear_decode_graph=True is invalid with subq_impl='reference': "
+                         "the captured decode step runs the Triton kernels; allowed: False, or "
+                         "subq_impl None/'kernel'")
     if not config.superlinear_allow_no_random_access:
         if sp + ssp < 1.0 - 1e-12:
             raise ValueError(
