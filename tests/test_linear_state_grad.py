@@ -223,7 +223,7 @@ def _compare_asa(normalize, B, T0, T, H, H_kv, D, m, dtype=torch.float32, use_o=
     T0 earlier tokens). "mean" counts the earlier tokens as Σ_m z0 (whose gradient z0 gets)
     or, with ``tokens_before``, as the host int T0."""
     g = torch.Generator().manual_seed(seed)
-    p_q, p_k = (torch.randn(H, D, m, generator=g) * D ** -0.5 for _ in range(2))
+    p_q, p_k = ((torch.randn(H, D, m, generator=g) * D ** -0.5).to(DEVICE) for _ in range(2))
     past = [a.detach().float() for a in _qkv(B, T0, H, H_kv, D, torch.float32, seed + 1)]
     _, st = ops.asa.asa_attention_chunked(*past, p_q, p_k, normalize)
     state = [t.detach().clone().requires_grad_() for t in st]

@@ -23,7 +23,7 @@ import torch
 
 from ..attention import SubqCoreAttention, copy_state_
 from ..ops import ASAState, asa_attention, asa_decode_step, asa_empty_state, asa_prefill
-from ..ops.asa import ASA_NORMALIZE_MODES, accumulation_dtype, asa_key_features
+from ..ops.asa import ASA_NORMALIZE_MODES, asa_chunk_state
 from ..ops.dispatch import repeat_kv
 from ..parallel import head_sharded_parameter
 from .base import Variant, knob_error
@@ -77,10 +77,10 @@ class ASACoreAttention(SubqCoreAttention):
         return out
 
     def chunk_state(self, q, k, v):
-        """(S, z) = (Σ k'ᵀ v, Σ k') of this chunk alone, fp32: additive over chunks."""
-        k_feat = asa_key_features(k, self.p_k, q.shape[2], accumulation_dtype(q.dtype))
-        vals = repeat_kv(v, q.shape[2]).to(k_feat.dtype)
-        return torch.einsum("bthm,bthd->bhmd", k_feat, vals), k_feat.sum(dim=1)
+        """(S, z) = (Σ k'ᵀ v, Σ k') of this chunk alone, fp32: additive over chunks
+        (``ops.asa_chunk_state``: the kernel's state scan where ``attend`` takes the kernel)."""
+        return tuple(asa_chunk_state(q, k, v, self.cp_heads(self.p_q), self.cp_heads(self.p_k),
+                                     impl=self.config.subq_impl))
 
     def attend_from_state(self, q, k, v, state, tokens_before):
         """The chunk continuing from the earlier tokens' summed state (S0, z0):
