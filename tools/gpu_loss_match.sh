@@ -49,7 +49,10 @@
 # CONTROL_MB (MB/2), LAST (30), NOISE_TOL (1.0), RECIPE (transformer-pp-1.3b-100b), CALL_T0,
 # CALL_LIMIT, JOB_DEADLINE, RESERVE, MIN_RUN, ARM_TIMEOUT, OUT (runs/loss-match-out; DRY: a temp
 # folder), WORK (a new temp folder; one given must be empty or hold an earlier run, which is
-# replaced), EXTRA (more trainer flags for every arm), MAX_DOCS (DRY only by default).
+# replaced), EXTRA (more trainer flags for every arm), MAX_DOCS (DRY only by default),
+# FUSED_FLAGS (the fused arm's fusions, a comma list of subq-fused-norm, subq-fused-rope,
+# bias-swiglu-fusion, bias-dropout-fusion, cross-entropy-loss-fusion, subq-fused-adam; default all:
+# one at a time bisects which fusion moves the curve, e.g. ARMS=unfused,fused FUSED_FLAGS=subq-fused-norm).
 # Bad input (an unknown arm, a non-positive ITERS, GB not a multiple of MB, ...) stops the script
 # with exit 2 and a message naming the variable, before anything is written.
 set -uo pipefail
@@ -80,7 +83,7 @@ fi
 STOP=$(( DEADLINE - RESERVE ))   # every arm ends by then; the comparison and the tarball after
 (( STOP > $(date +%s) )) || die "CALL_LIMIT/JOB_DEADLINE less RESERVE=$RESERVE s is already past"
 knobs=(--arms "$ARMS" --iters "$ITERS" --mb "$MB" --gb "$GB" --control-mb "$CONTROL_MB"
-       --last "$LAST" --tol "$NOISE_TOL")
+       --last "$LAST" --tol "$NOISE_TOL" --fused-flags "${FUSED_FLAGS:-}")
 python3 tools/loss_match.py check "${knobs[@]}" > /dev/null || exit 2
 [ -f "recipes/$RECIPE.yaml" ] || [ -f "$RECIPE" ] ||
   die "RECIPE='$RECIPE': no recipes/$RECIPE.yaml and no such file"

@@ -98,9 +98,24 @@ def parse_arms(text: str) -> List[str]:
     return sorted(names, key=ARMS.index)  # the reference first, then fused, then the control
 
 
-def check(arms: str, iters, mb, gb, control_mb, last=30, tol=1.0) -> dict:
+def parse_fused(text: Optional[str]) -> List[str]:
+    """FUSED_FLAGS: the fusions of the ``fused`` arm, a comma list of ``FUSION_FLAGS`` names
+    (without the dashes); empty or None: all six. A subset bisects which fusion moves the curve."""
+    if not text or not text.strip():
+        return list(FUSION_FLAGS)
+    names = [x.strip().lstrip("-") for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in FUSION_FLAGS]
+    if bad or len(set(names)) != len(names):
+        raise LossMatchError(f"FUSED_FLAGS={text!r}: allowed a comma list of distinct "
+                             f"{', '.join(FUSION_FLAGS)}")
+    return names
+
+
+def check(arms: str, iters, mb, gb, control_mb, last=30, tol=1.0,
+          fused: Optional[str] = None) -> dict:
     """Every knob, or LossMatchError naming the first bad one."""
     names = parse_arms(arms)
+    fused_flags = parse_fused(fused)
     iters = _whole("ITERS", iters)
     mb = _whole("MB", mb)
     gb = _whole("GB", gb)
@@ -123,7 +138,7 @@ def check(arms: str, iters, mb, gb, control_mb, last=30, tol=1.0) -> dict:
             raise LossMatchError(f"CONTROL_MB={control_mb}: equals MB; the control needs another "
                                  "micro-batch split (e.g. MB/2)")
     return {"arms": names, "iters": iters, "mb": mb, "gb": gb, "control_mb": control_mb,
-            "last": last, "tol": tol_f}
+            "last": last, "tol": tol_f, "fused_flags": fused_flags}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -158,7 +173,7 @@ def base_config(recipe: str, data: str, k: dict, work: str, dry: bool) -> dict:
 
 def arm_flags(arm: str, k: dict) -> List[str]:
     if arm == "fused":
-        return ["--" + f for f in FUSION_FLAGS]
+        return ["--" + f for f in k.get("fused_flags", FUSION_FLAGS)]
     if arm == "control":
         return ["--micro-batch-size", str(k["control_mb"])]
     return []
@@ -336,6 +351,7 @@ def _knob_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control-mb", default="4", help="CONTROL_MB")
     p.add_argument("--last", default="30", help="LAST")
     p.add_argument("--tol", default="1.0", help="NOISE_TOL")
+    p.add_argument("--fused-flags", default="", help="FUSED_FLAGS (default: all six fusions)")
 
 
 def main(argv=None) -> int:
@@ -358,11 +374,11 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "check":
             print(json.dumps(check(args.arms, args.iters, args.mb, args.gb, args.control_mb,
-                                   args.last, args.tol)))
+                                   args.last, args.tol, args.fused_flags)))
             return 0
         if args.cmd == "plan":
             k = check(args.arms, args.iters, args.mb, args.gb, args.control_mb, args.last,
-                      args.tol)
+                      args.tol, args.fused_flags)
             recipe_path(args.recipe)
             plan(k, args.recipe, args.data, args.work, args.dry)
             return 0
@@ -376,6 +392,9 @@ def main(argv=None) -> int:
     with open(knobs_file, encoding="utf-8") as f:
         knobs = json.load(f)
     report = compare(args.work, knobs["arms"], knobs["iters"], knobs["last"], knobs["tol"])
+    if "fused" in report["arms"]:  # the fusions this run's fused arm had (FUSED_FLAGS)
+        report["arms"]["fused"]["description"] = "unfused + " + " ".join(
+            "--" + f for f in knobs.get("fused_flags", FUSION_FLAGS))
     report["knobs"] = knobs
     if args.plot:
         try:
