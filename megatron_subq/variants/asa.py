@@ -23,8 +23,7 @@ import torch
 
 from ..attention import SubqCoreAttention, copy_state_
 from ..ops import ASAState, asa_attention, asa_decode_step, asa_empty_state, asa_prefill
-from ..ops.asa import ASA_NORMALIZE_MODES, asa_chunk_state
-from ..ops.dispatch import repeat_kv
+from ..ops.asa import ASA_NORMALIZE_MODES, accumulation_dtype, asa_chunk_state
 from ..parallel import head_sharded_parameter
 from .base import Variant, knob_error
 from .standard import self_attention_spec
