@@ -54,6 +54,7 @@ REFERENCE = "unfused"
 # the six fusions that run without TE/apex: gpu_train_bench.sh's ours-fused arm (bench_train.py
 # imports torch only inside its functions)
 from bench_train import DROPPED_KEYS, FUSION_FLAGS  # noqa: E402
+from plot_losses import read_records  # noqa: E402
 DESCRIPTION = {
     "unfused": "the recipe's default local path",
     "fused": "unfused + " + " ".join("--" + f for f in FUSION_FLAGS),
@@ -198,19 +199,11 @@ def plan(k: dict, recipe: str, data: str, work: str, dry: bool) -> None:
 # the comparison
 # ------------------------------------------------------------------------------------------------
 def read_metrics(path: str) -> Dict[int, dict]:
-    """{iteration: record} of a metrics file (records with lm_loss; a later line wins)."""
-    out: Dict[int, dict] = {}
+    """{iteration: record} of a metrics file (records with lm_loss, None included: a skipped
+    iteration; a later line wins); {} when the arm wrote none."""
     if not os.path.isfile(path):
-        return out
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict) and "iteration" in rec and "lm_loss" in rec:
-                out[int(rec["iteration"])] = rec
-    return out
+        return {}
+    return read_records(path, lambda rec: "lm_loss" in rec)
 
 
 def _loss(value) -> float:

@@ -60,6 +60,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tools.curriculum import saved_iteration  # noqa: E402 (no torch: the pack step stays light)
+from tools.plot_losses import read_records  # noqa: E402 (no torch either)
 RECIPE = os.path.join(ROOT, "recipes", "nemotron-3-nano-superlinear", "one-gpu")
 PY = sys.executable
 SYMBOL_BLOCK = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
@@ -132,19 +133,11 @@ def _write_yaml(path: str, data: dict, header: str = "") -> None:
 
 
 def metrics_rows(path: str) -> List[dict]:
-    rows = []
-    if os.path.isfile(path):
-        for line in open(path, encoding="utf-8"):
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            if "tokens_per_sec_per_gpu" in r:
-                rows.append(r)
-    # a resumed run appends: keep the last record of each iteration
-    last: Dict[int, dict] = {}
-    for r in rows:
-        last[r["iteration"]] = r
+    """The training records of a metrics file in iteration order (a resumed run appends: the
+    last record of each iteration); [] when there is none."""
+    if not os.path.isfile(path):
+        return []
+    last = read_records(path, lambda rec: "tokens_per_sec_per_gpu" in rec)
     return [last[i] for i in sorted(last)]
 
 

@@ -20,18 +20,27 @@ import os
 import sys
 
 
-def read_losses(path: str) -> dict:
-    """{iteration: lm_loss} of a metrics file; a later line for the same iteration wins."""
+def read_records(path: str, keep=lambda rec: True) -> dict:
+    """{iteration: record} of a metrics file (JSON lines, the trainer's ``--metrics-file``): the
+    records with an ``iteration`` that ``keep`` accepts; a later line for the same iteration wins
+    (a resumed run appends); lines that are not JSON objects are skipped. The one reader of the
+    tools that compare runs (this one, loss_match.py, nano_evidence.py): no torch."""
     out = {}
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            if rec.get("lm_loss") is not None and "iteration" in rec:
-                out[int(rec["iteration"])] = float(rec["lm_loss"])
+            if isinstance(rec, dict) and "iteration" in rec and keep(rec):
+                out[int(rec["iteration"])] = rec
     return out
+
+
+def read_losses(path: str) -> dict:
+    """{iteration: lm_loss} of a metrics file; a later line for the same iteration wins."""
+    return {i: float(rec["lm_loss"]) for i, rec in
+            read_records(path, lambda rec: rec.get("lm_loss") is not None).items()}
 
 
 def main(argv=None) -> int:
