@@ -181,6 +181,44 @@ def _compare_packed(normalize, dtype, bounds=PACKED_BOUNDS, sizes=(2, 1, 16, 8, 
     assert not bad, f"relative RMS above {BOUNDS[dtype]}: {bad} (all: {errors})"
 
 
+def _compare_megatron_layout(normalize, dtype, B, T, H_kv, G, D, m, bound):
+    """q, k, v as the attention layer hands them over: transposed ``[b, s, h, d]`` views of the
+    fused QKV projection's ``[s, b, g, (G + 2)·d]`` split (q through a head reshape). The kernel
+    writes o and dq, dk, dv in that ``[s, b]`` memory order (no copies in the layer's transposes
+    and the split's backward); values as the reference, the mixed tensor's gradient included."""
+    g = torch.Generator().manual_seed(3)
+    H = H_kv * G
+    mixed = torch.randn(T, B, H_kv, (G + 2) * D, generator=g).to(DEVICE, dtype).requires_grad_()
+    p_q, p_k = ((torch.randn(H, D, m, generator=g) * 2 * D ** -0.5).to(DEVICE, dtype)
+                .requires_grad_() for _ in range(2))
+    d_out = torch.randn(B, T, H, D, generator=g).to(DEVICE, dtype)
+
+    def run(impl, x, pq, pk):
+        q, k, v = torch.split(x, [G * D, D, D], dim=3)
+        q = q.reshape(T, B, H, D)
+        views = [t.transpose(0, 1) for t in (q, k, v)]  # [b, s, h, d], strided
+        out = ops.asa_attention(*views, pq, pk, normalize=normalize, impl=impl)
+        grads = torch.autograd.grad(out, views + [x, pq, pk], d_out)
+        return out, grads
+
+    out, grads = run("kernel", mixed, p_q, p_k)
+    ref_args = [t.detach().float().requires_grad_() for t in (mixed, p_q, p_k)]
+    ref, ref_grads = run("reference", *ref_args)
+    names = ("o", "dq", "dk", "dv", "d_mixed", "dp_q", "dp_k")
+    errors = {n: rel_rms(x, r) for n, x, r in zip(names, (out,) + grads, (ref,) + ref_grads)}
+    bad = {k: v for k, v in errors.items() if not v <= bound}
+    assert not bad, f"relative RMS above {bound}: {bad} (all: {errors})"
+    if dtype != torch.bfloat16 or DEVICE == "cuda":  # the interpreter's bf16 runs on fp32 copies
+        for name, x in zip(names, (out,) + grads[:3]):
+            assert x.transpose(0, 1).is_contiguous(), f"{name} is not in [s, b] memory order"
+
+
+@pytest.mark.parametrize("G", [1, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
+def test_kernel_megatron_layout_fp32(normalize, G):
+    _compare_megatron_layout(normalize, torch.float32, 2, 70, 2, G, 16, 8, 1e-5)
+
+
 @pytest.mark.parametrize("normalize", ASA_NORMALIZE_MODES)
 def test_kernel_packed_sequences_fp32(normalize):
     _compare_packed(normalize, torch.float32)
@@ -459,6 +497,13 @@ def test_unverified_sizes_are_refused_on_gpu(D, m, Dv):
     out = ops.asa_attention(q, k, v, p_q, p_k)
     ref = ops.asa_attention(q, k, v, p_q, p_k, impl="reference")
     torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("G", [1, 2], ids=["mha", "gqa"])
+def test_kernel_megatron_layout_gpu(G, dtype):
+    _compare_megatron_layout("linear", dtype, 4, 1000, 4 // G, G, 128, 64, BOUNDS[dtype])
 
 
 @pytest.mark.gpu

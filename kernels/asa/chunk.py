@@ -141,6 +141,17 @@ def _chunk_span(chunks_ptr, c, T, BT: tl.constexpr, VARLEN: tl.constexpr):
 # forward
 # ------------------------------------------------------------------------------------------
 @triton.jit
+def _token_rows(b, rows, h, B, T, H, TMAJOR: tl.constexpr):
+    """Row indices (in units of the last dim) of tokens ``rows`` of batch b, head h in a
+    ``[B, T, H, ·]`` tensor whose memory is ``[T, B, H, ·]`` (TMAJOR: a transposed view of
+    Megatron's ``[s, b, h, d]``, so that its gradients flow back without copies) or
+    ``[B, T, H, ·]``. o, dO, dq, dk and dv share the layout; dℓ stays ``[B, T, H, M]``."""
+    if TMAJOR:
+        return (rows * B + b) * H + h
+    return (b * T + rows) * H + h
+
+
+@triton.jit
 def asa_fwd_states_kernel(
     k_ptr, v_ptr, pk_ptr, s0_ptr, z0_ptr, states_ptr, zs_ptr, st_ptr, zt_ptr,
     T, H, G, D, M, DV, NT,
@@ -212,11 +223,12 @@ def asa_fwd_out_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
     BV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    B=1, TMAJOR: tl.constexpr = False,
 ):
     """grid (NT · BT/RB, cdiv(Dv, BV), B*H): the output of one block of RB rows of a chunk
     (RB = BT: the whole chunk; cfg out_rows), meeting the chunk's keys up to its own block in
     RB × RB tiles. NORM: 0 linear, 1 none, 2 mean.
-    o: [B, T, H, DV] contiguous; den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1, i counted from
+    o: [B, T, H, DV], memory [T, B, H, DV] when TMAJOR (``_token_rows``); den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1, i counted from
     the start of the token's sequence)."""
     pid, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = BT // RB
@@ -267,7 +279,7 @@ def asa_fwd_out_kernel(
         num = num / den[:, None]
     else:
         den = tl.full([RB], 1.0, tl.float32)
-    o_rows = (b * T + rows) * H + h
+    o_rows = _token_rows(b, rows, h, B, T, H, TMAJOR)
     tl.store(o_ptr + o_rows[:, None] * DV + v_cols[None, :], num.to(o_ptr.dtype.element_ty),
              mask=row_mask[:, None] & (v_cols[None, :] < DV))
     if pid_v == 0:
@@ -337,10 +349,10 @@ def asa_bwd_states_kernel(
     sqb, sqt, sqh,
     BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     NORM: tl.constexpr, PREC: tl.constexpr, HAS_INIT: tl.constexpr = False,
-    STORE_FINAL: tl.constexpr = False,
+    STORE_FINAL: tl.constexpr = False, B=1, TMAJOR: tl.constexpr = False,
 ):
     """grid (cdiv(Dv, BV), B*H): dS_c = Σ_{chunks > c} q'ᵀ g and dz_c = Σ_{chunks > c} q'ᵀ r.
-    dO: [B, T, H, DV] contiguous; den, r: [B, H, T] fp32.
+    dO: [B, T, H, DV] (memory as ``_token_rows``); den, r: [B, H, T] fp32.
     HAS_INIT: the sums start at the final state's gradient (ds0, dz0: [B*H, M, DV] / [B*H, M]
     fp32), and dz_c is stored whatever NORM (the final z's gradient reaches every chunk's k');
     STORE_FINAL: the sums past the first chunk, the initial state's gradient, go to dsf, dzf."""
@@ -371,7 +383,7 @@ def asa_bwd_states_kernel(
         row_mask = rows < T
         qf = _features(q_base, t0, T, sqt, p, pq_ptr, h, D, M, feat_mask, row_mask, dt, BT, BD,
                        BDT, BM, PREC)
-        o_rows = (b * T + rows) * H + h
+        o_rows = _token_rows(b, rows, h, B, T, H, TMAJOR)
         g = tl.load(do_ptr + o_rows[:, None] * DV + v_cols[None, :],
                     mask=row_mask[:, None] & (v_cols[None, :] < DV), other=0.0).to(tl.float32)
         if NORM != 1:
@@ -389,15 +401,15 @@ def asa_bwd_states_kernel(
 
 @triton.jit
 def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
-                     BT: tl.constexpr, BV: tl.constexpr):
+                     BT: tl.constexpr, BV: tl.constexpr, B=1, TMAJOR: tl.constexpr = False):
     """grid (cdiv(T, BT), B*H): the linear normalisation's r = −(dO·o)/den per token.
-    dO, o: [B, T, H, DV] contiguous (read once, in their own dtype); den, r: [B, H, T] fp32."""
+    dO, o: [B, T, H, DV] in one layout (``_token_rows``; read once, in their own dtype); den, r: [B, H, T] fp32."""
     pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_t * BT + tl.arange(0, BT)
     cols = tl.arange(0, BV)
     row_mask = rows < T
-    at = ((b * T + rows) * H + h)[:, None] * DV + cols[None, :]
+    at = _token_rows(b, rows, h, B, T, H, TMAJOR)[:, None] * DV + cols[None, :]
     mask = row_mask[:, None] & (cols[None, :] < DV)
     g = tl.load(do_ptr + at, mask=mask, other=0.0).to(tl.float32)
     o = tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
@@ -406,8 +418,8 @@ def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
 
 
 @triton.jit
-def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, dl_ptr, dx_ptr,
-                        D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
+def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, l_rows, dl_ptr,
+                        dx_ptr, D, M, feat_mask, row_mask, BT: tl.constexpr, BD: tl.constexpr,
                         BDT: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     """The softmax backward of one side and its stores: dℓ = f ⊙ (df − Σ_m f ⊙ df) with the fp32
     features (recomputed here rather than kept live through the gradient loops), then
@@ -418,7 +430,7 @@ def _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, t0, t_stop, o_rows, d
     f32 = _features(x_base, t0, t_stop, x_stride, p, p_ptr, h, D, M, feat_mask, row_mask, dt, BT,
                     BD, BDT, BM, PREC)
     dl = f32 * (dfeat - tl.sum(f32 * dfeat, axis=1)[:, None])
-    tl.store(dl_ptr + o_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
+    tl.store(dl_ptr + l_rows[:, None] * M + m_idx[None, :], dl.to(dl_ptr.dtype.element_ty),
              mask=row_mask[:, None] & feat_mask[None, :])
     dl = dl.to(dt)
     if BDT == BD:
@@ -456,7 +468,7 @@ def asa_bwd_block_kernel(
     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh,
     BT: tl.constexpr, RB: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr,
     BV: tl.constexpr, NV: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, SIDE: tl.constexpr,
-    VARLEN: tl.constexpr, DZ: tl.constexpr = False,
+    VARLEN: tl.constexpr, DZ: tl.constexpr = False, B=1, TMAJOR: tl.constexpr = False,
 ):
     """grid (NT · BT/RB, B*H): the gradients of one block of RB rows of a chunk (cfg bwd_rows),
     in two launches (fewer live registers each). The block meets the rest of its chunk in
@@ -471,7 +483,8 @@ def asa_bwd_block_kernel(
       ``[B, T, H, D(v)]`` (the caller sums GQA groups). The key side adds dz_c when NORM is
       linear or ``DZ`` (the final state's z has a gradient, which reaches every k').
 
-    dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV columns; with
+    dO, dx and dv are laid out as o (``_token_rows``: TMAJOR, the memory of Megatron's
+    ``[s, b, h, d]``); dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV columns; with
     NV = 1 the key side reads each query block once for both dA and dv, otherwise dv takes a
     pass of its own per Dv block.
 
@@ -493,7 +506,7 @@ def asa_bwd_block_kernel(
     q_base = q_ptr + b * sqb + h * sqh
     k_base = k_ptr + b * skb + hk * skh
     v_base = v_ptr + b * svb + hk * svh
-    o_rows = (b * T + rows) * H + h
+    o_rows = _token_rows(b, rows, h, B, T, H, TMAJOR)  # dO, dx, dv
     st = pid_bh * NT + c
     ones = tl.full([RB], 1.0, tl.float32)
     # the diagonal tile's causal mask, in tile coordinates (row, column)
@@ -562,7 +575,7 @@ def asa_bwd_block_kernel(
                     if NORM != 1:
                         den_q = tl.load(den_ptr + pid_bh * T + i0 + tl.arange(0, RB),
                                         mask=q_mask, other=1.0)
-                    g = _scaled_grad(do_ptr, (b * T + i0 + tl.arange(0, RB)) * H + h, q_mask,
+                    g = _scaled_grad(do_ptr, _token_rows(b, i0 + tl.arange(0, RB), h, B, T, H, TMAJOR), q_mask,
                                      den_q, v_cols, DV, q_ptr, NORM)
                     dv += tl.dot(A_t, g, input_precision=PREC)
                 tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
@@ -584,7 +597,7 @@ def asa_bwd_block_kernel(
                 dA_t += tl.load(r_ptr + pid_bh * T + q_rows, mask=q_mask, other=0.0)[None, :]
             for vb in tl.static_range(NV):
                 v_cols = vb * BV + tl.arange(0, BV)
-                g = _scaled_grad(do_ptr, (b * T + q_rows) * H + h, q_mask, den_q, v_cols, DV,
+                g = _scaled_grad(do_ptr, _token_rows(b, q_rows, h, B, T, H, TMAJOR), q_mask, den_q, v_cols, DV,
                                  q_ptr, NORM)
                 if NV > 1:  # else vc is still the one block's, from the states' term
                     vc = _load_rows(v_base, r0, t_stop, svt, v_cols, DV, RB).to(dt)
@@ -601,8 +614,9 @@ def asa_bwd_block_kernel(
                      dv.to(dv_ptr.dtype.element_ty),
                      mask=row_mask[:, None] & (v_cols[None, :] < DV))
         x_base, x_stride, p_ptr = k_base, skt, pk_ptr
-    _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, r0, t_stop, o_rows, dl_ptr, dx_ptr,
-                        D, M, feat_mask, row_mask, RB, BD, BDT, BM, PREC)
+    _feature_grad_store(dfeat, x_base, x_stride, p_ptr, h, r0, t_stop, o_rows,
+                        (b * T + rows) * H + h, dl_ptr, dx_ptr, D, M, feat_mask, row_mask, RB, BD,
+                        BDT, BM, PREC)
 
 
 @triton.jit

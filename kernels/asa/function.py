@@ -206,6 +206,26 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _token_major(x: torch.Tensor) -> bool:
+    """Whether ``[B, T, H, ·]`` x is laid out ``[T, B, H, ·]`` in memory (a transposed view of
+    Megatron's ``[s, b, h, d]``): then o and the gradients are allocated that way too, so that
+    the layer's transposes, its head reshape and the QKV split's backward need no copies
+    (``chunk._token_rows``). With B = 1 both layouts are the same."""
+    return x.shape[0] > 1 and x.stride(1) > x.stride(0)
+
+
+def _empty_rows(B: int, T: int, H: int, n: int, dtype, device, token_major: bool) -> torch.Tensor:
+    """An uninitialised ``[B, T, H, n]`` tensor, memory ``[T, B, H, n]`` when ``token_major``."""
+    if token_major:
+        return torch.empty(T, B, H, n, dtype=dtype, device=device).transpose(0, 1)
+    return torch.empty(B, T, H, n, dtype=dtype, device=device)
+
+
+def _like_rows(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """x in ``like``'s memory layout (``like`` is dense: o): x itself when the strides agree."""
+    return x if x.stride() == like.stride() else torch.empty_like(like, dtype=x.dtype).copy_(x)
+
+
 def chunk_table(bounds: list, BT: int, device) -> torch.Tensor:
     """Packed sequences ``bounds = [0, end_1, ..., T]`` cut into chunks of at most ``BT`` tokens
     that never straddle a boundary: int32 ``[NT, 4]`` rows (start, stop, seq_start, seq_stop).
@@ -317,18 +337,19 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None, i
         dsf_ptr=ds_final, dzf_ptr=dz_final,
         T=T, H=H, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
         BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_state, NORM=norm,
-        PREC=cfg.PREC, HAS_INIT=init is not None, STORE_FINAL=store_final,
-        num_warps=cfg.state_warps, num_stages=cfg.stages)
+        PREC=cfg.PREC, HAS_INIT=init is not None, STORE_FINAL=store_final, B=B,
+        TMAJOR=_token_major(d_o), num_warps=cfg.state_warps, num_stages=cfg.stages)
     return dstates, dzs, (ds_final, dz_final) if store_final else None
 
 
 def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
-    """r = −(dO·o)/den per token, [B, H, T] fp32 (``asa_bwd_r_kernel``); dO, o contiguous."""
+    """r = −(dO·o)/den per token, [B, H, T] fp32 (``asa_bwd_r_kernel``); dO, o dense, in one
+    layout (``_token_major``)."""
     B, T, H, Dv = o.shape
     r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
     asa_bwd_r_kernel[(triton.cdiv(T, cfg.BT), B * H)](
         do_ptr=d_o, o_ptr=o, den_ptr=den, r_ptr=r, T=T, H=H, DV=Dv, BT=cfg.BT, BV=_pow2(Dv),
-        num_warps=4)
+        B=B, TMAJOR=_token_major(o), num_warps=4)
     return r
 
 
@@ -386,7 +407,8 @@ class ASAChunkFunction(torch.autograd.Function):
         states, zs, final = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, output_final_state,
                                           chunks)
         NT = states.shape[2]
-        o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
+        tmajor = _token_major(q)  # o (and later the gradients) in q's [s, b] memory order
+        o = _empty_rows(B, T, H, Dv, q.dtype, q.device, tmajor)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
         grid = (NT * (cfg.BT // cfg.out_rows), triton.cdiv(Dv, cfg.BV_out), B * H)
         asa_fwd_out_kernel[grid](
@@ -397,7 +419,8 @@ class ASAChunkFunction(torch.autograd.Function):
             skh=k.stride(2), svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), BT=cfg.BT,
             RB=cfg.out_rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_out, NORM=norm,
             PREC=cfg.PREC,
-            VARLEN=chunks is not None, num_warps=cfg.out_warps, num_stages=cfg.stages)
+            VARLEN=chunks is not None, B=B, TMAJOR=tmajor, num_warps=cfg.out_warps,
+            num_stages=cfg.stages)
         kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
@@ -424,7 +447,9 @@ class ASAChunkFunction(torch.autograd.Function):
                     torch.zeros(B, H, m, **f32) if d_z_final is None
                     else d_z_final.to(torch.float32).contiguous())
         want_state = s0 is not None and any(ctx.needs_input_grad[6:8])
-        d_o = torch.zeros_like(o) if d_o is None else d_o.contiguous()
+        # dO in o's layout (dense: the kernels index o's rows); zeros_like keeps the layout
+        d_o = torch.zeros_like(o) if d_o is None else _like_rows(d_o, o)
+        tmajor = _token_major(o)
         if states is None:  # not kept by the forward (cfg keep_states): recomputed
             states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
@@ -439,9 +464,10 @@ class ASAChunkFunction(torch.autograd.Function):
                                                 init, want_state)
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
-        dq = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-        dk_h = torch.empty(B, T, H, D, dtype=kv_grad_dtype, device=q.device)
-        dv_h = torch.empty(B, T, H, Dv, dtype=kv_grad_dtype, device=q.device)
+        # in o's layout: the transposes and the QKV split's backward take them as they are
+        dq = _empty_rows(B, T, H, D, q.dtype, q.device, tmajor)
+        dk_h = _empty_rows(B, T, H, D, kv_grad_dtype, q.device, tmajor)
+        dv_h = _empty_rows(B, T, H, Dv, kv_grad_dtype, q.device, tmajor)
         # dℓ (the feature logits' gradients) stay in HBM until dP: fp32, or the inputs' dtype
         dl_dtype = q.dtype if cfg.dl_half else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
@@ -457,11 +483,13 @@ class ASAChunkFunction(torch.autograd.Function):
                 svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
                 BV=cfg.BV_bwd,
                 NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
-                VARLEN=chunks is not None, DZ=init is not None, num_warps=cfg.bwd_warps,
-                num_stages=cfg.stages)
+                VARLEN=chunks is not None, DZ=init is not None, B=B, TMAJOR=tmajor,
+                num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if G > 1:
-            dk = dk_h.view(B, T, H_kv, G, D).sum(dim=3).to(k.dtype)
-            dv = dv_h.view(B, T, H_kv, G, Dv).sum(dim=3).to(v.dtype)
+            dk = _empty_rows(B, T, H_kv, D, k.dtype, q.device, tmajor)
+            dv = _empty_rows(B, T, H_kv, Dv, v.dtype, q.device, tmajor)
+            dk.copy_(dk_h.view(B, T, H_kv, G, D).sum(dim=3))  # the sum in fp32, then rounded
+            dv.copy_(dv_h.view(B, T, H_kv, G, Dv).sum(dim=3))
         else:
             dk, dv = dk_h, dv_h
         dp_q = _param_grad(q, dlq, 1, cfg).to(p_q.dtype)
