@@ -1,7 +1,8 @@
 """tools/loss_match.py and tools/gpu_loss_match.sh (issue 21's loss-curve evidence): the
 comparison on synthetic loss curves (within the control's noise, outside it, partial and unequal
-runs, non-finite losses), bad input refused naming the variable before anything is written, the
-tarball packed even when no arm could run; and (-m slow, ~3 minutes on 2 idle cores, 7.5 on a
+runs, non-finite losses, a verdict per single-fusion arm), the arms (fused-each, the run order,
+each arm's flags) and WARMUP, bad input refused naming the variable before anything is written,
+the tarball packed even when no arm could run; and (-m slow, ~3.5 minutes on 2 cores, more on a
 busy machine) the whole pipeline in its CPU dry mode."""
 
 import json
@@ -27,7 +28,8 @@ SCRIPT = os.path.join(ROOT, "tools", "gpu_loss_match.sh")
 def _script(tmp_path, **env):
     full = dict(os.environ, WORK=str(tmp_path / "work"), OUT=str(tmp_path / "out"), DRY="1",
                 SUBQ_CORPUS=CORPUS)
-    for k in ("CALL_T0", "CALL_LIMIT", "JOB_DEADLINE", "ARMS", "ITERS", "MB", "GB", "CONTROL_MB"):
+    for k in ("CALL_T0", "CALL_LIMIT", "JOB_DEADLINE", "ARMS", "ITERS", "WARMUP", "MB", "GB",
+              "CONTROL_MB", "FUSED_FLAGS"):
         full.pop(k, None)
     full.update(env)
     return subprocess.run(["bash", SCRIPT], cwd=ROOT, env=full, capture_output=True, text=True,
@@ -45,8 +47,8 @@ def _curve(n, noise, seed):
     return [10.0 - 0.1 * i + noise * math.sin(1.7 * i + seed) for i in range(n)]
 
 
-def _plan(work, arms="unfused,fused,control", iters=40):
-    k = lm.check(arms, iters, 8, 16, 4, last=30, tol=1.0)
+def _plan(work, arms="unfused,fused,control", iters=40, warmup=None, fused=None):
+    k = lm.check(arms, iters, 8, 16, 4, last=30, tol=1.0, fused=fused, warmup=warmup)
     lm.plan(k, "transformer-pp-1.3b-100b", "data/docs_text_document", str(work), dry=False)
     return k
 
@@ -98,7 +100,8 @@ def test_compare_partial_and_unequal_runs(tmp_path):
     assert saved["verdict"] == "within bf16 noise" and saved["plot"] == "r.png"
     assert os.path.getsize(work / "r.png") > 0
     md = (work / "r.md").read_text()
-    assert "**Verdict: within bf16 noise**" in md and "over the 25 iterations" in md
+    assert "**Verdict: within bf16 noise**" in md and "25 of 40 planned iterations" in md
+    assert "| fused | 1-25 (25) |" in md and "| fused arm |" not in md  # no single-fusion arm
     # an arm that never logged: no common iteration, no verdict
     os.remove(work / "control.jsonl")
     r = lm.compare(str(work), ["unfused", "fused", "control"], 40, 30, 1.0)
@@ -126,7 +129,7 @@ def test_compare_outside_noise_and_nonfinite(tmp_path):
 
 def test_plan_writes_the_arms(tmp_path):
     k = _plan(tmp_path, arms="control,unfused,fused", iters=50)
-    assert k["arms"] == ["unfused", "fused", "control"]  # the reference runs first
+    assert k["arms"] == ["unfused", "control", "fused"]  # the reference, then the yardstick
     cfg = yaml.safe_load(open(tmp_path / "base.yaml"))
     assert (cfg["train-iters"], cfg["global-batch-size"], cfg["micro-batch-size"]) == (50, 16, 8)
     assert cfg["data-path"] == ["data/docs_text_document"] and cfg["seq-length"] == 2048
@@ -143,10 +146,11 @@ def test_plan_writes_the_arms(tmp_path):
 
 def test_the_trainer_takes_every_arm(tmp_path):
     """Each arm's flags on the 1.3B plan pass the trainer's own parser (on the GPU a refused
-    flag would cost the arms before it): the same schedule and global batch everywhere."""
+    flag would cost the arms before it): the same schedule and global batch everywhere, each
+    single-fusion arm with its one fusion on."""
     from megatron_subq.training import arguments
 
-    k = _plan(tmp_path, iters=50)
+    k = _plan(tmp_path, arms="unfused,control,fused,fused-each", iters=50)
     rows = dict(line.rstrip("\n").split("\t") for line in open(tmp_path / "arms.tsv"))
     got = {}
     for arm in k["arms"]:
@@ -160,6 +164,8 @@ def test_the_trainer_takes_every_arm(tmp_path):
     for flag in lm.FUSION_FLAGS:
         name = flag.replace("-", "_")
         assert getattr(got["fused"], name) and not getattr(got["unfused"], name), flag
+        on = [f for f in lm.FUSION_FLAGS if getattr(got["fused-" + flag], f.replace("-", "_"))]
+        assert on == [flag] and got["fused-" + flag].micro_batch_size == 8
 
 
 def test_fused_flags_bisect_one_fusion(tmp_path):
@@ -177,10 +183,171 @@ def test_fused_flags_bisect_one_fusion(tmp_path):
             lm.check("unfused,fused", 40, 8, 16, 4, fused=bad)
 
 
+def test_parse_arms_single_fusions():
+    """fused-<fusion> arms and the fused-each shorthand, returned in the run order: unfused, the
+    control, fused, the single-fusion arms in FUSION_FLAGS order."""
+    singles = ["fused-" + f for f in lm.FUSION_FLAGS]
+    assert lm.parse_arms("fused-each, unfused") == ["unfused"] + singles
+    assert lm.parse_arms("fused-each,fused,control,unfused") == [
+        "unfused", "control", "fused"] + singles
+    assert lm.parse_arms("fused-subq-fused-adam,unfused,fused-subq-fused-norm,control") == [
+        "unfused", "control", "fused-subq-fused-norm", "fused-subq-fused-adam"]
+    with pytest.raises(lm.LossMatchError, match=r"unknown arm 'fused-turbo'; allowed: .*"
+                       r"fused-each, fused-subq-fused-norm, .*fused-subq-fused-adam$"):
+        lm.parse_arms("unfused,fused-turbo")
+    with pytest.raises(lm.LossMatchError, match="unknown arm 'fused-'"):
+        lm.parse_arms("unfused,fused-")
+    for twice, name in (("unfused,control,control", "control"),
+                        ("unfused,fused-bias-swiglu-fusion,fused-each", "fused-bias-swiglu-fusion"),
+                        ("unfused,fused-each,fused-each", "fused-subq-fused-norm")):
+        with pytest.raises(lm.LossMatchError, match=f"arm '{name}' named twice"):
+            lm.parse_arms(twice)
+    with pytest.raises(lm.LossMatchError, match="reference arm 'unfused'"):
+        lm.parse_arms("fused-each")
+    assert all(lm.is_fused(a) for a in ["fused"] + singles)
+    assert not lm.is_fused("unfused") and not lm.is_fused("control")
+
+
+def test_plan_single_fusion_arms(tmp_path):
+    """arms.tsv: the run order, each fused-<fusion> arm with its one flag, fused with
+    FUSED_FLAGS, the control with its micro-batch."""
+    _plan(tmp_path, arms="fused-each,fused,unfused,control", fused="subq-fused-rope")
+    rows = [line.rstrip("\n").split("\t") for line in open(tmp_path / "arms.tsv")]
+    assert [r[0] for r in rows] == ["unfused", "control", "fused"] + [
+        "fused-" + f for f in lm.FUSION_FLAGS]
+    flags = dict(rows)
+    assert flags["unfused"] == "" and flags["control"] == "--micro-batch-size 4"
+    assert flags["fused"] == "--subq-fused-rope"
+    for f in lm.FUSION_FLAGS:
+        assert flags["fused-" + f] == "--" + f
+    knobs = json.load(open(tmp_path / "knobs.json"))
+    assert knobs["arms"] == [r[0] for r in rows]
+    assert lm.describe("fused-subq-fused-adam") == "unfused + --subq-fused-adam"
+
+
+@pytest.mark.parametrize("iters, warmup, want", [
+    (40, None, 4), (40, "", 4), (6, None, 1), (5, None, 1), (40, "20", 20), (40, " 0 ", 0),
+    (40, 39, 39)])
+def test_warmup(tmp_path, iters, warmup, want):
+    """WARMUP: ITERS/10 (at least 1) by default, else the given whole number below ITERS; it is
+    base.yaml's lr-warmup-iters (every arm's schedule)."""
+    k = _plan(tmp_path, iters=iters, warmup=warmup)
+    assert k["warmup"] == want
+    cfg = yaml.safe_load(open(tmp_path / "base.yaml"))
+    assert (cfg["lr-warmup-iters"], cfg["train-iters"]) == (want, iters)
+    assert "lr-warmup-samples" not in cfg and "lr-warmup-fraction" not in cfg
+
+
+@pytest.mark.parametrize("warmup, message", [
+    ("40", "WARMUP='40': must be less than ITERS=40"),
+    ("41", "WARMUP='41': must be less than ITERS=40"),
+    ("-1", "WARMUP='-1': must be a whole number >= 0"),
+    ("2.5", "WARMUP='2.5': must be a whole number >= 0"),
+    ("ten", "WARMUP='ten': must be a whole number >= 0")])
+def test_bad_warmup(tmp_path, capsys, warmup, message):
+    with pytest.raises(lm.LossMatchError, match=message):
+        lm.check("unfused,control", 40, 8, 16, 4, warmup=warmup)
+    assert lm.main(["plan", "--work", str(tmp_path / "w"), "--data", "x", "--arms",
+                    "unfused,control", "--iters", "40", "--warmup", warmup]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
+def test_compare_single_fusion_arms(tmp_path):
+    """A bisection run: every arm's stats vs unfused, a verdict per fused-type arm against the
+    control on that arm's own iterations (a cut arm neither shortens the others nor is judged
+    against the control's later noise), the markdown and the plot with every arm."""
+    work = tmp_path
+    arms = "unfused,control,fused-each"
+    _plan(work, arms=arms, iters=40)
+    ref = _curve(40, 0.0, 0)
+    _write(work, "unfused", ref)
+    # the control: 1e-3 from unfused up to iteration 10, 2e-2 after
+    _write(work, "control", [v + (0.001 if i < 10 else 0.02) for i, v in enumerate(ref)])
+    _write(work, "fused-subq-fused-norm", [v + 0.05 for v in ref])  # moves the curve
+    _write(work, "fused-subq-fused-rope", [v + 0.002 * (-1) ** i for i, v in enumerate(ref)])
+    _write(work, "fused-bias-swiglu-fusion", ref)  # bit-identical
+    _write(work, "fused-bias-dropout-fusion", [v - 0.01 for v in ref])
+    _write(work, "fused-cross-entropy-loss-fusion", [v + 0.005 for v in ref[:10]])  # cut at 10
+    # fused-subq-fused-adam never started: no metrics file
+    r = lm.compare(str(work), lm.parse_arms(arms), 40, 30, 1.0)
+    singles = ["fused-" + f for f in lm.FUSION_FLAGS]
+    assert list(r["arms"]) == ["unfused", "control"] + singles
+    assert list(r["comparisons"]) == ["control"] + singles and list(r["verdicts"]) == singles
+    assert r["common_iterations"] == 0  # an arm logged nothing; the others are still judged
+    assert r["verdict"] == "no verdict" and "no fused arm in ARMS" in r["why"]
+    v = r["verdicts"]
+    assert v["fused-subq-fused-norm"]["verdict"] == "larger than bf16 noise"
+    assert v["fused-subq-fused-norm"]["ratio_max_abs"] == pytest.approx(2.5)
+    assert v["fused-subq-fused-rope"]["verdict"] == "within bf16 noise"
+    assert v["fused-bias-swiglu-fusion"]["verdict"] == "within bf16 noise"
+    assert v["fused-bias-swiglu-fusion"]["ratio_max_abs"] == 0
+    assert v["fused-bias-dropout-fusion"]["verdict"] == "within bf16 noise"
+    assert r["comparisons"]["fused-bias-dropout-fusion"]["mean_signed"] == pytest.approx(-0.01)
+    # the cut arm: 10 iterations, against the control's 1e-3 there (not its 2e-2 later)
+    cut = v["fused-cross-entropy-loss-fusion"]
+    assert cut["verdict"] == "larger than bf16 noise" and cut["iterations"] == 10
+    assert cut["ratio_mean_abs"] == pytest.approx(5.0)
+    assert r["comparisons"]["fused-cross-entropy-loss-fusion"]["iterations"] == 10
+    for a in ("control", "fused-subq-fused-norm", "fused-subq-fused-rope"):
+        assert r["comparisons"][a]["iterations"] == 40, a
+    assert v["fused-subq-fused-adam"]["verdict"] == "no verdict"
+    assert r["comparisons"]["fused-subq-fused-adam"]["iterations"] == 0
+    assert r["arms"]["fused-subq-fused-norm"]["description"] == "unfused + --subq-fused-norm"
+    # the command: JSON with the verdicts, a row per arm in the markdown, every arm in the plot
+    assert lm.main(["compare", "--work", str(work), "--json", str(work / "r.json"), "--md",
+                    str(work / "r.md"), "--plot", str(work / "r.png")]) == 0
+    saved = json.load(open(work / "r.json"))
+    assert {a: x["verdict"] for a, x in saved["verdicts"].items()} == {
+        a: x["verdict"] for a, x in v.items()}
+    assert saved["plot"] == "r.png" and os.path.getsize(work / "r.png") > 0
+    md = (work / "r.md").read_text()
+    assert "**Verdict:" not in md  # no fused arm: the table says it per arm
+    assert "| fused-subq-fused-norm | **larger than bf16 noise**: arm/control max abs 2.50x" in md
+    assert "| fused-cross-entropy-loss-fusion | **larger than bf16 noise**" in md
+    assert "| fused-subq-fused-adam | **no verdict** (no losses of this arm" in md
+    for a in ["unfused", "control"] + singles:
+        assert f"| {a} | " in md, a
+    assert "| fused-subq-fused-adam | no common iterations |" in md
+
+
+def test_compare_fused_and_single_fusion_arms(tmp_path):
+    """With fused and fused-<fusion> arms: the top-level verdict is the fused arm's; the
+    markdown has it and the table of every fused-type arm's; no control: no verdicts."""
+    work = tmp_path
+    _plan(work, arms="unfused,control,fused,fused-subq-fused-norm,fused-subq-fused-rope")
+    ref = _curve(40, 0.0, 0)
+    _write(work, "unfused", ref)
+    _write(work, "control", _curve(40, 0.01, 2))
+    _write(work, "fused", [v + 0.05 for v in ref])
+    _write(work, "fused-subq-fused-norm", [v + 0.05 for v in ref])
+    _write(work, "fused-subq-fused-rope", _curve(40, 0.001, 3))
+    arms = ["unfused", "control", "fused", "fused-subq-fused-norm", "fused-subq-fused-rope"]
+    r = lm.compare(str(work), arms, 40, 30, 1.0)
+    assert r["common_iterations"] == 40
+    assert r["verdict"] == "larger than bf16 noise" == r["verdicts"]["fused"]["verdict"]
+    assert r["ratio_mean_abs"] == r["verdicts"]["fused"]["ratio_mean_abs"]
+    assert r["verdicts"]["fused-subq-fused-norm"]["verdict"] == "larger than bf16 noise"
+    assert r["verdicts"]["fused-subq-fused-rope"]["verdict"] == "within bf16 noise"
+    md = lm.markdown(r, {})
+    assert "**Verdict: larger than bf16 noise**: arm/control" in md
+    assert "| fused | **larger than bf16 noise**" in md
+    assert "| fused-subq-fused-rope | **within bf16 noise**" in md
+    os.remove(work / "control.jsonl")
+    r = lm.compare(str(work), arms, 40, 30, 1.0)
+    assert r["comparisons"]["fused"]["iterations"] == 40  # still compared with unfused
+    assert {x["verdict"] for x in r["verdicts"].values()} == {"no verdict"}
+    assert "no bf16-noise control" in r["verdicts"]["fused-subq-fused-rope"]["why"]
+
+
 @pytest.mark.parametrize("env, message", [
     ({"FUSED_FLAGS": "turbo"}, "FUSED_FLAGS='turbo': allowed a comma list of distinct"),
     ({"ARMS": "unfused,turbo"}, "ARMS='unfused,turbo': unknown arm 'turbo'; allowed: a comma "
-                                "list of unfused, fused, control"),
+                                "list of unfused, control, fused, fused-each, "
+                                "fused-subq-fused-norm"),
+    ({"ARMS": "unfused,fused-each,fused-subq-fused-adam"},
+     "arm 'fused-subq-fused-adam' named twice"),
+    ({"WARMUP": "6"}, "WARMUP='6': must be less than ITERS=6"),
+    ({"WARMUP": "two"}, "WARMUP='two': must be a whole number >= 0"),
     ({"ARMS": "fused,control"}, "the reference arm 'unfused' must be one of them"),
     ({"ARMS": "unfused"}, "nothing to compare"),
     ({"ITERS": "0"}, "ITERS='0': must be a whole number >= 1"),
@@ -232,23 +399,33 @@ def test_packs_even_when_no_arm_can_run(tmp_path):
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     """The script's CPU dry mode: the tiny shape of the 1.3B recipe on a slice of the docs
-    corpus, three arms of 6 iterations, compared; $OUT holds the tarball and the summary."""
-    p = _script(tmp_path, CALL_LIMIT="1100")
+    corpus, four arms (one single-fusion) of 6 iterations with WARMUP 2, compared; $OUT holds
+    the tarball and the summary."""
+    p = _script(tmp_path, CALL_LIMIT="1100", WARMUP="2",
+                ARMS="unfused,fused-subq-fused-norm,fused,control")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     out = tmp_path / "out"
     assert sorted(os.listdir(out)) == ["loss-match.tgz", "loss_match.md"]
     names = set(tarfile.open(out / "loss-match.tgz").getnames())
-    for arm in ("unfused", "fused", "control"):
+    for arm in ("unfused", "fused", "control", "fused-subq-fused-norm"):
         assert {f"./{arm}.jsonl", f"./{arm}.log"} <= names
     assert {"./loss_match.json", "./loss_match.png", "./base.yaml", "./arms.tsv"} <= names
     assert not any(n.startswith(("./data", "./cache")) for n in names)  # no data, no index
     r = json.load(open(tmp_path / "work" / "loss_match.json"))
     assert r["common_iterations"] == 6 and r["plot"] == "loss_match.png"
     assert r["verdict"] in ("within bf16 noise", "larger than bf16 noise")
-    for name in ("fused", "control"):
+    assert r["verdict"] == r["verdicts"]["fused"]["verdict"]
+    assert list(r["arms"]) == ["unfused", "control", "fused", "fused-subq-fused-norm"]
+    assert r["verdicts"]["fused-subq-fused-norm"]["verdict"] in (
+        "within bf16 noise", "larger than bf16 noise")
+    lrs = [json.loads(line)["lr"] for line in open(tmp_path / "work" / "unfused.jsonl")]
+    assert max(lrs) == lrs[1]  # WARMUP 2: the peak at iteration 2
+    for name in ("fused", "control", "fused-subq-fused-norm"):
         s = r["comparisons"][name]
         # the same data and seed: the curves agree to bf16 rounding on the tiny model
         assert s["iterations"] == 6 and s["max_abs"] < 0.05, s
     cfg = yaml.safe_load(open(tmp_path / "work" / "base.yaml"))
     assert cfg["seq-length"] == 128 and cfg["bf16"] is True and cfg["num-layers"] == 2
+    assert cfg["lr-warmup-iters"] == 2
+    assert "| fused-subq-fused-norm | **" in (out / "loss_match.md").read_text()
     assert (out / "loss_match.md").read_text() in p.stdout

@@ -69,23 +69,26 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+    many = len(runs) > 4  # e.g. loss_match.py's nine arms: taller, small legends in two columns
+    fig, (ax, ax_d) = plt.subplots(2, 1, figsize=(8, 8 if many else 6), sharex=True,
                                    gridspec_kw={"height_ratios": [2, 1]})
     ref = runs[0]
+    # each run's colour and line style in both panels: ten colours, then dashed, then dotted
+    style = [dict(color=f"C{k % 10}", ls=("-", "--", ":")[k // 10 % 3]) for k in range(len(runs))]
     for k, (run, label) in enumerate(zip(runs, labels)):
         its = sorted(run)
-        ax.plot(its, [run[i] for i in its], label=label, lw=1.2, color=f"C{k}")
+        ax.plot(its, [run[i] for i in its], label=label, lw=1.2, **style[k])
     for k, (run, label) in enumerate(zip(runs[1:], labels[1:]), start=1):
-        its = sorted(set(run) & set(ref))  # each run's colour in both panels
+        its = sorted(set(run) & set(ref))
         ax_d.plot(its, [run[i] - ref[i] for i in its], label=f"{label} − {labels[0]}", lw=1.0,
-                  color=f"C{k}")
+                  **style[k])
     ax_d.axhline(0.0, color="grey", lw=0.6)
     ax.set_ylabel("training loss")
     ax_d.set_ylabel("difference")
     ax_d.set_xlabel("iteration")
-    ax.legend()
+    ax.legend(fontsize=7 if many else None, ncol=2 if many else 1)
     if len(runs) > 1:
-        ax_d.legend(fontsize=8)
+        ax_d.legend(fontsize=6 if many else 8, ncol=2 if many else 1)
     if args.title:
         ax.set_title(args.title)
     fig.tight_layout()
