@@ -25,7 +25,11 @@
 # Knobs: CALL_T0 (the call's start, epoch s; default now), CALL_LIMIT (570 s from CALL_T0, the
 # wheels' install included), RESERVE (20 s kept for the summary and the tarball), OUT
 # (runs/nano-evidence-out), WORK (runs/nano-evidence; replaced when it holds an earlier run),
-# BASE_ITERS / STAGE_ITERS=A,B,C / FIXED_ITERS=1 (iterations instead of sizing them to the clock).
+# BASE_ITERS / STAGE_ITERS=A,B,C / FIXED_ITERS=1 (iterations instead of sizing them to the clock),
+# WARM_ONLY=1 (the tokenizer, the random model and the compile warm-ups of every arm's variant,
+# nothing else: a call, or a gpu_parallel.sh job with TCACHE_OUT=1 at the call's level, whose
+# Triton cache the evidence call carries in; the first evidence call lost its base to ~100 s of
+# compiles per trainer on a 2x H200 host on 2026-11-27).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 arms=${1:-superlinear,standard}
@@ -73,7 +77,8 @@ deadline=$(( CALL_T0 + CALL_LIMIT - RESERVE ))
 timeout -k 5 $(( deadline - $(date +%s) + 10 )) \
   python3 tools/nano_evidence.py run --arms "$arms" --work "$WORK" $dry_flag --t0 "$CALL_T0" \
   --deadline "$deadline" ${BASE_ITERS:+--base-iters "$BASE_ITERS"} \
-  ${STAGE_ITERS:+--stage-iters "$STAGE_ITERS"} ${FIXED_ITERS:+--fixed-iters} 2>&1 \
+  ${STAGE_ITERS:+--stage-iters "$STAGE_ITERS"} ${FIXED_ITERS:+--fixed-iters} \
+  ${WARM_ONLY:+--warm-only} 2>&1 \
   | tee "$WORK/driver.log"
 rc=${PIPESTATUS[0]}
 # always: the summary (printed) and the one tarball, whatever ran

@@ -44,7 +44,6 @@ import argparse
 import copy
 import glob
 import json
-import math
 import os
 import shlex
 import shutil
@@ -343,6 +342,15 @@ class Run:
                        template_repeats=int(tok.get("template-repeats", 1)))
         self.log(f"prep: tokenizer ({tok['vocab-size']} tokens) in {self.hf_random}")
         jobs = self.data_jobs  # filled as they start: stopped at the end whatever happens
+        if not self.args.warm_only:
+            self._start_data(jobs)
+        self._random_model()
+        self.step("prep (tokenizer, random NemotronH)", start, "ok")
+        return jobs
+
+    def _start_data(self, jobs: Dict[str, Job]) -> None:
+        """The LM text, the base's and the stages' NIAH data and the evaluation samples, as
+        background jobs (``jobs``, by name)."""
         lm = [PY, "tools/preprocess_data.py", "--input", self.corpus, "--output-prefix",
               os.path.join(self.data, "lm"), "--tokenizer-type", "HuggingFaceTokenizer",
               "--tokenizer-model", self.hf_random, "--workers", str(self.workers),
@@ -372,7 +380,9 @@ class Run:
             self.hf_random, os.path.join(self.data, "niah-eval"), lengths, ev["depths"],
             ev["samples-per-cell"], ev["seed"], fmt="eval", skip=ev.get("skip-documents", 0)),
             nice=10)
-        # the random NemotronH (transformers), with the tokenizer's vocabulary
+
+    def _random_model(self) -> None:
+        """The random NemotronH (transformers), with the tokenizer's vocabulary."""
         import torch  # noqa: PLC0415
         import transformers  # noqa: PLC0415
 
@@ -391,8 +401,6 @@ class Run:
         self.info["model"] = {"pattern": pattern, "parameters": params,
                               "vocab": m["vocab_size"]}
         self.log(f"prep: random NemotronH {pattern}, {params / 1e6:.1f}M parameters, saved")
-        self.step("prep (tokenizer, random NemotronH)", start, "ok")
-        return jobs
 
     # -- 2. base --------------------------------------------------------------------------------
     # keys of base.yaml a warm-up run drops: it trains on mock data and keeps nothing
@@ -402,7 +410,7 @@ class Run:
     def warm_up(self, variant: str) -> Optional[Job]:
         """Triton's compiles of ``variant``'s model, ahead of the runs that need them: the
         base's model (evidence.yaml's shape, base.yaml's flags) with ``variant`` in the '*'
-        slots, 2 iterations of one 4K sequence on mock data, nothing saved. Compiled kernels land
+        slots, 2 iterations of one 4K micro-batch on mock data, nothing saved. Compiled kernels land
         in TRITON_CACHE_DIR, where the later trainers find them: the first base step compiled
         for 99 s on an H200 (2026-11-27), half the base's time, while the GPU idled through the
         data preparation. None on the CPU (DRY: the interpreter compiles nothing)."""
@@ -410,8 +418,10 @@ class Run:
             return None
         cfg = {k: v for k, v in _yaml(os.path.join(RECIPE, "base.yaml")).items()
                if k not in self.WARM_DROP}
+        # the base's micro-batch (Triton specialises integer arguments equal to 1 or divisible
+        # by 16: a warm-up at micro-batch 1 would compile other variants than the runs use)
         cfg.update({"mock-data": True, "train-iters": 2, "lr-warmup-iters": 1,
-                    "micro-batch-size": 1, "global-batch-size": 1,
+                    "global-batch-size": int(cfg["micro-batch-size"]),
                     "tokenizer-model": self.hf_random, "attention-variant": variant,
                     "log-interval": 1})
         path = os.path.join(self.work, "warm", f"{variant}.yaml")
@@ -668,12 +678,36 @@ class Run:
         self.step("arms: NIAH after (+ export)", start,
                   "; ".join(f"{j.name} {j.stopped or f'exit {j.rc}'}" for j in jobs) or "none")
 
+    def warm_only(self) -> int:
+        """``--warm-only``: the compile warm-ups of every variant the run needs, one after
+        another (two at once would compile the shared kernels twice), nothing else. A device
+        call of its own, or a job beside others, whose Triton cache is carried into the
+        evidence call (tools/gpu_nano_evidence.sh WARM_ONLY=1): that call's steps then start
+        without ~100 s of compiles each. 0 when every warm-up exited 0."""
+        start = time.time()
+        variants = ["standard"] + sorted({self.s["arms"][a]["attention-variant"]
+                                          for a in self.arms} - {"standard"})
+        rcs = []
+        for v in variants:
+            job = self.warm_up(v)
+            if job is None:  # DRY: nothing compiles
+                continue
+            self.warm_jobs.append(job)
+            wait_all([job], self.deadline, 5, self.log)
+            rcs.append(job.poll())
+            self.log(f"warm-up {v}: exit {job.rc}{' (' + job.stopped + ')' if job.stopped else ''}")
+        self.step("compile warm-ups only (" + ", ".join(variants) + ")", start,
+                  "ok" if all(rc == 0 for rc in rcs) else f"exits {rcs}")
+        return 0 if all(rc == 0 for rc in rcs) else 1
+
     def run(self) -> int:
         self.log(f"nano_evidence: {self.info['mode']}, arms {','.join(self.arms)}, "
                  f"{self.left():.0f} s to the deadline, work {self.work}")
         self.save_info()
         try:
             self.prep()
+            if self.args.warm_only:
+                return self.warm_only()
             self.base_run(self.data_jobs)
             self.curricula = self.arms_setup(self.data_jobs)
             self.train_and_before()
@@ -918,6 +952,8 @@ def main(argv=None) -> int:
     p.add_argument("--t0", type=float, default=None, help="the call's start (epoch s)")
     p.add_argument("--deadline", type=float, default=None,
                    help="epoch s by which every step has ended (default t0 + 1 h)")
+    p.add_argument("--warm-only", action="store_true",
+                   help="prep and the compile warm-ups only (a Triton cache for the next call)")
     p.add_argument("--base-iters", type=int, default=None)
     p.add_argument("--stage-iters", default=None, help="A,B,C: the stages' train-iters")
     p.add_argument("--fixed-iters", action="store_true",
