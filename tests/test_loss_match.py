@@ -150,7 +150,7 @@ def test_the_trainer_takes_every_arm(tmp_path):
     single-fusion arm with its one fusion on."""
     from megatron_subq.training import arguments
 
-    k = _plan(tmp_path, arms="unfused,control,fused,fused-each", iters=50)
+    k = _plan(tmp_path, arms="unfused,control-sdpa,control,fused,fused-each", iters=50)
     rows = dict(line.rstrip("\n").split("\t") for line in open(tmp_path / "arms.tsv"))
     got = {}
     for arm in k["arms"]:
@@ -161,6 +161,10 @@ def test_the_trainer_takes_every_arm(tmp_path):
         assert (a.global_batch_size, a.train_iters, a.seq_length, a.seed) == (16, 50, 2048, 1234)
         assert a.bf16 and a.save is None and a.eval_iters == 0
     assert got["unfused"].micro_batch_size == 8 and got["control"].micro_batch_size == 4
+    assert got["unfused"].subq_sdpa_backend == "auto"
+    assert got["control-sdpa"].subq_sdpa_backend == "flash"
+    assert got["control-sdpa"].micro_batch_size == 8
+    assert k["arms"][:3] == ["unfused", "control-sdpa", "control"]  # the yardsticks first
     for flag in lm.FUSION_FLAGS:
         name = flag.replace("-", "_")
         assert getattr(got["fused"], name) and not getattr(got["unfused"], name), flag
@@ -342,7 +346,7 @@ def test_compare_fused_and_single_fusion_arms(tmp_path):
 @pytest.mark.parametrize("env, message", [
     ({"FUSED_FLAGS": "turbo"}, "FUSED_FLAGS='turbo': allowed a comma list of distinct"),
     ({"ARMS": "unfused,turbo"}, "ARMS='unfused,turbo': unknown arm 'turbo'; allowed: a comma "
-                                "list of unfused, control, fused, fused-each, "
+                                "list of unfused, control-sdpa, control, fused, fused-each, "
                                 "fused-subq-fused-norm"),
     ({"ARMS": "unfused,fused-each,fused-subq-fused-adam"},
      "arm 'fused-subq-fused-adam' named twice"),
@@ -429,3 +433,40 @@ def test_dry_run_end_to_end(tmp_path):
     assert cfg["lr-warmup-iters"] == 2
     assert "| fused-subq-fused-norm | **" in (out / "loss_match.md").read_text()
     assert (out / "loss_match.md").read_text() in p.stdout
+
+
+def test_sdpa_control_is_the_yardstick(tmp_path):
+    """With control-sdpa in ARMS the verdicts are judged against it, not the micro-batch control:
+    the same fused arm is within the (larger) bf16 yardstick and outside the smaller one."""
+    n = 20
+    ref = _curve(n, 0.0, 0)
+    _write(tmp_path, "unfused", ref)
+    _write(tmp_path, "control", [x + 0.002 * (-1) ** i for i, x in enumerate(ref)])
+    _write(tmp_path, "control-sdpa", [x + 0.03 * (-1) ** i for i, x in enumerate(ref)])
+    _write(tmp_path, "fused", [x + 0.02 * (-1) ** i for i, x in enumerate(ref)])
+    r = lm.compare(str(tmp_path), ["unfused", "control-sdpa", "control", "fused"], n, 30, 1.0)
+    assert r["noise_arm"] == "control-sdpa" and r["verdict"] == "within bf16 noise"
+    r = lm.compare(str(tmp_path), ["unfused", "control", "fused"], n, 30, 1.0)
+    assert r["noise_arm"] == "control" and r["verdict"] == "larger than bf16 noise"
+    assert "control-sdpa" in lm.describe("control-sdpa") or "flash" in lm.describe("control-sdpa")
+
+
+def test_sdpa_backend_flag_sets_torch_switches():
+    """--subq-sdpa-backend NAME allows only that SDPA backend; auto leaves torch's switches."""
+    import torch
+
+    from megatron_subq.training import arguments
+
+    names = arguments.SDPA_BACKENDS[1:]
+    before = {n: getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in names}
+    try:
+        arguments.apply_sdpa_backend("flash")
+        assert {n: getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in names} == {
+            "cudnn": False, "flash": True, "mem_efficient": False, "math": False}
+        arguments.apply_sdpa_backend("auto")
+        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
+    finally:
+        for n, on in before.items():
+            getattr(torch.backends.cuda, f"enable_{n}_sdp")(on)
+    with pytest.raises(SystemExit):
+        arguments.parse_args(["--subq-sdpa-backend", "fast"], world_size=1, check_files=False)

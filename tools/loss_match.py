@@ -10,9 +10,15 @@ file's subcommands).
 Arms (``ARMS``, a comma list; the reference ``unfused`` must be one of them):
 
 * ``unfused``: the recipe as it is (the default local path), micro-batch MB, global batch GB;
+* ``control-sdpa``: ``unfused`` with ``--subq-sdpa-backend flash`` (torch's FlashAttention-2
+  instead of cuDNN's SDPA): the same math through another kernel, so bf16 rounding changes inside
+  every layer's forward and backward, as a fusion's does: the bf16-noise yardstick, and the one
+  the verdicts use when it ran;
 * ``control``: ``unfused`` at micro-batch CONTROL_MB (same global batch, so more accumulation
-  steps): the same math up to bf16 summation order, the bf16-noise yardstick (the control of
-  issue 25's hybrid comparison, docs/results.md);
+  steps): the forward bitwise the same, only the fp32 gradient sums reordered (the control of
+  issue 25's hybrid comparison, docs/results.md). A smaller perturbation than bf16 rounding: on
+  an H200 (2026-11-27) each fusion alone, and torch's fused AdamW (fp32-level changes) at 0.45x,
+  set it apart; the verdicts use it only without ``control-sdpa``;
 * ``fused``: unfused plus the six fusions that run without TE/apex (``bench_train.FUSION_FLAGS``,
   the ``ours-fused`` arm of tools/gpu_train_bench.sh), or the subset FUSED_FLAGS;
 * ``fused-<fusion>`` for each fusion of FUSION_FLAGS (``fused-subq-fused-norm``, ...,
@@ -20,7 +26,7 @@ Arms (``ARMS``, a comma list; the reference ``unfused`` must be one of them):
   with ``unfused,control,fused-each`` bisects which fusion moves the curve against one reference
   and one control.
 
-They run in that order whatever the order in ARMS (unfused, control, fused, then the single-fusion
+They run in that order whatever the order in ARMS (unfused, control-sdpa, control, fused, then the single-fusion
 arms in FUSION_FLAGS order), so the reference and the yardstick exist even when the clock cuts the
 last arms. Every arm has the same seed, data, global batch and schedule (ITERS iterations, WARMUP
 (ITERS/10, at least 1) of linear warm-up, cosine decay over the rest), so the same samples in the
@@ -39,7 +45,8 @@ A non-finite loss in that range counts as an infinite difference.
 
 The rule (a verdict for each fused-type arm: ``fused`` and every ``fused-<fusion>``): **within
 bf16 noise** when the arm's ``max_abs`` and ``mean_abs`` are each at most NOISE_TOL (1.0) times
-the control's over the same iterations (the arm's); otherwise **larger than bf16 noise** (the
+the yardstick's (``control-sdpa``, else ``control``: ``noise_arm``) over the same iterations (the
+arm's); otherwise **larger than bf16 noise** (the
 ratios say by how much). Without the control's or the arm's losses on those iterations the
 verdict is **no verdict** (and says why). The report's ``verdicts`` holds one per fused-type arm;
 its top-level ``verdict`` is the ``fused`` arm's (no verdict when ARMS has none).
@@ -69,7 +76,9 @@ from plot_losses import read_records  # noqa: E402
 REFERENCE = "unfused"
 SINGLE = tuple("fused-" + f for f in FUSION_FLAGS)  # one fusion each
 EACH = "fused-each"  # shorthand for every SINGLE arm
-ARMS = ("unfused", "control", "fused") + SINGLE  # the run order
+SDPA_CONTROL = "control-sdpa"  # unfused through another SDPA kernel: the bf16-rounding yardstick
+SDPA_CONTROL_BACKEND = "flash"  # the recipe's attention runs cuDNN's SDPA by default on Hopper
+ARMS = ("unfused", SDPA_CONTROL, "control", "fused") + SINGLE  # the run order
 # the DRY (CPU) model: a tiny Transformer++ (RoPE, SwiGLU, RMSNorm, untied), bf16 because
 # --cross-entropy-loss-fusion refuses fp32 (it rounds the logits' gradient to bf16)
 DRY_SHAPE = {"num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "kv-channels": 16,
@@ -99,8 +108,8 @@ def is_fused(arm: str) -> bool:
 
 def parse_arms(text: str) -> List[str]:
     """ARMS: a comma list of ARMS' names and ``fused-each`` (all of SINGLE), returned in the run
-    order of ARMS (the reference, the control, fused, the single-fusion arms)."""
-    allowed = f"allowed: a comma list of {', '.join(ARMS[:3] + (EACH,) + SINGLE)}"
+    order of ARMS (the reference, the controls, fused, the single-fusion arms)."""
+    allowed = f"allowed: a comma list of {', '.join(ARMS[:4] + (EACH,) + SINGLE)}"
     given = [n.strip() for n in str(text).split(",") if n.strip()]
     if not given:
         raise LossMatchError(f"ARMS={text!r}: no arm; {allowed}")
@@ -214,7 +223,17 @@ def fusions(arm: str, fused_flags=FUSION_FLAGS) -> List[str]:
     return [arm[len("fused-"):]] if arm in SINGLE else []
 
 
+def noise_arm(arms) -> str:
+    """The yardstick of the verdicts: ``control-sdpa`` when it is one of ``arms`` (a change of
+    bf16 rounding inside the forward and backward, as a fusion's is), else ``control`` (micro-batch
+    split: the forward bitwise the same, only the fp32 gradient sums reordered: a smaller
+    perturbation than any fusion's, measured 2026-11-27, docs/benchmarks.md)."""
+    return SDPA_CONTROL if SDPA_CONTROL in arms else "control"
+
+
 def arm_flags(arm: str, k: dict) -> List[str]:
+    if arm == SDPA_CONTROL:
+        return ["--subq-sdpa-backend", SDPA_CONTROL_BACKEND]
     if arm == "control":
         return ["--micro-batch-size", str(k["control_mb"])]
     return ["--" + f for f in fusions(arm, k.get("fused_flags", FUSION_FLAGS))]
@@ -224,7 +243,10 @@ def describe(arm: str, fused_flags=FUSION_FLAGS) -> str:
     if arm == REFERENCE:
         return "the recipe's default local path"
     if arm == "control":
-        return "unfused at micro-batch CONTROL_MB (same global batch): the bf16-noise yardstick"
+        return "unfused at micro-batch CONTROL_MB (same global batch): an fp32-summation-order yardstick"
+    if arm == SDPA_CONTROL:
+        return (f"unfused with --subq-sdpa-backend {SDPA_CONTROL_BACKEND} (the same attention "
+                "math through another kernel): the bf16-rounding yardstick")
     return "unfused + " + " ".join("--" + f for f in fusions(arm, fused_flags))
 
 
@@ -321,7 +343,8 @@ def compare(work: str, arms: List[str], iters: int, last: int, tol: float,
     metrics = {a: read_metrics(os.path.join(work, a + ".jsonl")) for a in arms}
     losses = {a: {i: _loss(r["lm_loss"]) for i, r in m.items()} for a, m in metrics.items()}
     common = sorted(set.intersection(*(set(v) for v in losses.values()))) if losses else []
-    ref, ctrl = losses[REFERENCE], losses.get("control") or {}
+    noise_name = noise_arm(arms)
+    ref, ctrl = losses[REFERENCE], losses.get(noise_name) or {}
     pairs, verdicts = {}, {}
     for a in arms:
         if a == REFERENCE:
@@ -338,7 +361,8 @@ def compare(work: str, arms: List[str], iters: int, last: int, tol: float,
                    "description": describe(a, fused_flags)} for a in arms}
     top = verdicts.get("fused") or {"verdict": "no verdict", "why": "no fused arm in ARMS" + (
         " (each fused-<fusion> arm's verdict is in verdicts)" if verdicts else "")}
-    return {"tool": "tools/loss_match.py", "reference": REFERENCE, "arms": per_arm,
+    return {"tool": "tools/loss_match.py", "reference": REFERENCE, "noise_arm": noise_name,
+            "arms": per_arm,
             "common_iterations": len(common), "planned_iterations": iters,
             "step_ms_skips_first": skip, "comparisons": pairs, "verdicts": verdicts, **top}
 
@@ -372,7 +396,7 @@ def markdown(report: dict, knobs: dict) -> str:
     if "fused" in verdicts or not single:
         lines += [f"**Verdict: {report['verdict']}**" + _judged(report), ""]
     if single:
-        lines += ["| fused arm | verdict vs the control |", "|---|---|"]
+        lines += [f"| fused arm | verdict vs {report.get('noise_arm', 'control')} |", "|---|---|"]
         lines += [f"| {a} | **{v['verdict']}**{_judged(v)} |" for a, v in verdicts.items()]
         lines.append("")
     rule = next((v["rule"] for v in verdicts.values() if "rule" in v), None)

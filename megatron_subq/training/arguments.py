@@ -44,6 +44,9 @@ MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sink
 MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
+# --subq-sdpa-backend: torch.backends.cuda.enable_<name>_sdp for each name after "auto"
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "mem_efficient", "math")
+
 def _bool_flag(group, name: str, default: bool, help: str) -> None:
     group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
@@ -872,6 +875,13 @@ def add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     _bool_flag(g, "--gradient-accumulation-fusion", False,
                "weight-gradient GEMMs accumulating into main_grad (apex's "
                "fused_weight_gradient_mlp_cuda; refused without it)")
+    g.add_argument("--subq-sdpa-backend", default="auto", choices=SDPA_BACKENDS,
+                   help="the backend of torch's scaled_dot_product_attention (the standard "
+                        "variant's core attention and any other SDPA call): auto lets torch "
+                        "choose (cuDNN first on Hopper); a name allows only that one (torch."
+                        "backends.cuda.enable_<name>_sdp). The same math through another "
+                        "kernel: for A/B timing, and the bf16-rounding yardstick of "
+                        "tools/loss_match.py's control-sdpa arm")
     _bool_flag(g, "--subq-fused-adam", False,
                "torch's fused Adam/AdamW (fused=True, foreach=False: one kernel per step) for "
                "megatron-core's torch optimizer, which it builds with torch's default foreach "
@@ -887,6 +897,17 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
+
+
+def apply_sdpa_backend(name: str) -> None:
+    """``--subq-sdpa-backend``: torch's process-wide SDPA switches (``auto``: left as they are);
+    a backend that cannot run a call then fails in SDPA with torch's own message."""
+    if name == "auto":
+        return
+    import torch  # noqa: PLC0415
+
+    for other in SDPA_BACKENDS[1:]:
+        getattr(torch.backends.cuda, f"enable_{other}_sdp")(other == name)
 
 
 def check_fusions(parser, args) -> None:

@@ -531,6 +531,7 @@ def _run(args, started: Optional[float] = None) -> Dict:
         arguments.fail(args, str(e))
     if dist.get_rank() == 0:
         warn_if_save_holds_another_model(args, log=print_rank_0)
+    arguments.apply_sdpa_backend(args.subq_sdpa_backend)
     config = build_config(args)
     args.eod_token = tokenizer.eod  # document ends under --reset-attention-mask
     model = build_model(args, config, vocab)
