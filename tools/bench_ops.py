@@ -25,7 +25,8 @@ baseline (``sdpa_decode[...]``); their ratio is printed as "x dense decode".
 Adding an op: write ``bench_<op>(args, T, dtype) -> [(row_name, fwd_fn, fwd_bwd_fn, info)]`` and
 register it in ``OP_BENCHES``; ``fwd_fn()`` runs the forward only, ``fwd_bwd_fn()`` forward and
 backward, ``info`` is a dict (e.g. the minimal HBM bytes of the forward, for a bandwidth figure).
-A row whose inputs do not fit (out of memory) is recorded as skipped, not fatal.
+A row whose inputs do not fit (out of memory), or a dense backend without a kernel for the shape
+(cuDNN and FlashAttention-2 stop at d_h 256), is recorded as skipped, not fatal.
 """
 
 from __future__ import annotations
@@ -84,8 +85,16 @@ def bench_dense(args, T: int, dtype) -> List[Row]:
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-        fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
         flops = 4 * B * H * D * T * T / 2  # causal: half of QK^T and PV
+        try:
+            fwd, fwd_bwd = _fwd_bwd(run, (q, k, v))
+        except RuntimeError as err:  # no kernel of this backend for the shape (e.g. d_h 512)
+            if isinstance(err, torch.OutOfMemoryError):
+                raise
+            why = str(err).splitlines()[0]
+            print(f"{name} at T={T}, d_h={D}: skipped ({why})", file=sys.stderr)
+            rows.append((name, None, None, {"fwd_flops": flops, "skipped": why}))
+            continue
         rows.append((name, fwd, fwd_bwd, {"fwd_flops": flops}))
     return rows
 
