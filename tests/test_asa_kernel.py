@@ -444,6 +444,12 @@ def test_d_tiles_default_and_bounds(monkeypatch):
     assert (cfg.BT, cfg.BM, cfg.BV_out, cfg.BV_bwd, cfg.BV_delta) == (64, 64, 128, 64, 64)
     assert (cfg.bwd_rows, cfg.out_rows, launch(256, 64, 256, torch.bfloat16).bwd_rows) == (
         32, 64, 64)  # 32-row gradient blocks at 512 only (register spills, launch_config)
+    # fp32 wider than 128 takes d_h 512's form (its 256-wide tiles did not compile in 10 min)
+    for d, dv in ((256, 256), (256, 128), (128, 256)):
+        cfg = launch(d, 64, dv, torch.float32)
+        assert (cfg.BDT, cfg.bwd_rows) == (min(128, cfg.BD), 32), (d, dv)
+    assert (launch(128, 64, 128, torch.float32).BDT, launch(128, 64, 128, torch.float32).bwd_rows) \
+        == (128, 64)
     monkeypatch.setenv(LAUNCH_ENV, '{"BDT": 1024}')
     assert launch(48, 16, 48, torch.float32).BDT == 64
     for bad in (8, 24):
@@ -676,3 +682,18 @@ def test_unverified_size_candidates_gpu(case):
                          capture_output=True, text=True, timeout=900)
     print(f"{case}: {out.stdout.strip()}")
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_kernel_spills_names_every_parameter():
+    """tools/kernel_spills.py compiles the gradient kernel for sm_90 offline from its own list of
+    parameters: a parameter added to the kernel and not to the tool breaks it (as B and TMAJOR
+    did), so the two must name the same set."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "kernel_spills.py")
+    spec = importlib.util.spec_from_file_location("kernel_spills", path)
+    ks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ks)
+    named = set(ks.POINTERS) | set(ks.INTS) | set(ks.block_consts(0, 64, 64, 64))
+    assert named == set(ks.chunk.asa_bwd_block_kernel.arg_names)

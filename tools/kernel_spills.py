@@ -33,7 +33,7 @@ POINTERS = ("q_ptr", "k_ptr", "v_ptr", "pq_ptr", "pk_ptr", "do_ptr", "den_ptr", 
             "states_ptr", "zs_ptr", "dstates_ptr", "dzs_ptr", "dx_ptr", "dv_ptr", "dl_ptr",
             "chunks_ptr")
 INTS = ("T", "H", "G", "D", "M", "DV", "NT", "NV", "sqb", "sqt", "sqh", "skb", "skt", "skh",
-        "svb", "svt", "svh")
+        "svb", "svt", "svh", "B")
 
 
 def ptxas() -> str:
@@ -69,12 +69,19 @@ def _ptxas_report(kernel, consts: dict, dtype: str, warps: int) -> str:
             f"{compiled.metadata.shared} B shared")
 
 
+def block_consts(side: int, bt: int, rows: int, bv: int, d: int = 128, bdt: int = 128,
+                 m: int = 64) -> dict:
+    """The constexprs of one ``asa_bwd_block_kernel`` specialisation; with POINTERS and INTS
+    they name every parameter of the kernel (tests/test_asa_kernel.py checks it)."""
+    return dict(BT=bt, RB=rows, BD=d, BDT=min(bdt, d), BM=m, BV=bv, NV=-(-d // bv), NORM=0,
+                PREC="tf32", SIDE=side, VARLEN=False, DZ=False, TMAJOR=False)
+
+
 def block_spills(side: int, bt: int, rows: int, bv: int, warps: int, dtype: str,
                  d: int = 128, bdt: int = 128, m: int = 64) -> str:
     """``asa_bwd_block_kernel`` (cfg bwd_rows = rows; d_h = d_v = d in D tiles of bdt, m)."""
-    consts = dict(BT=bt, RB=rows, BD=d, BDT=min(bdt, d), BM=m, BV=bv, NV=-(-d // bv), NORM=0,
-                  PREC="tf32", SIDE=side, VARLEN=False)
-    return _ptxas_report(chunk.asa_bwd_block_kernel, consts, dtype, warps)
+    return _ptxas_report(chunk.asa_bwd_block_kernel, block_consts(side, bt, rows, bv, d, bdt, m),
+                         dtype, warps)
 
 
 def main(argv=None) -> int:

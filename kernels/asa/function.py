@@ -114,6 +114,11 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
     BD, BV_all = _pow2(D), _pow2(Dv)
     BM = _pow2(m, floor=16 if interpreting else 64)
     big_tiles = max(BD, BM, BV_all) > 128 or dtype == torch.float32
+    # fp32 wider than 128: its "ieee" dots unroll to FMA loops, and the gradient kernel at d_h 256
+    # in one 256-wide D tile of 64 rows did not finish compiling in 10 minutes (an H200 test,
+    # 2026-11-27; sm_90 offline with tools/kernel_spills.py: still compiling after 10 min, against
+    # 65 s with 128-wide D tiles of 32 rows, d_h 512's form, GPU-verified in fp32): that form
+    fp32_wide = dtype == torch.float32 and max(BD, BV_all) > 128
     cfg = LaunchConfig(
         # 128-token chunks halve the chunk states and scan steps; tiles wider than 128 (d_h or
         # m of 256) and fp32 tiles (twice the bytes; fp32 is for checking, not for speed) keep
@@ -134,7 +139,7 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # (docs/benchmarks.md: what a GPU session should still measure). Its rows: below
         # d_h <= 256 compiled keeps the whole BD (the GPU-verified untiled kernels, bit for bit)
         # until the GPU A/B (test_d_tiles_launch_gpu) says a 128-wide tile is as good there
-        BDT=BD if interpreting or BD <= 256 else 128,
+        BDT=BD if interpreting or (BD <= 256 and not fp32_wide) else 128,
         BV_state=min(64, BV_all),  # sequential state scans: split Dv for more programs
         # the per-chunk delta kernel: one program per chunk (the features computed once), 8
         # warps without spills; tiles wider than 128 and fp32 keep 64 columns and 4 warps
@@ -151,7 +156,7 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         # 64, sm_90 compiles (tools/kernel_spills.py, Triton 3.9, no GPU) spilled 12.5 KB per
         # thread on the key side and 3.5 KB on the query side, at 32 rows 1.3 and 0.5 KB
         # (d_h 128 at 64 rows: 3.1 and 0.4 KB); not timed yet (test_d_tiles_launch_gpu: the A/B)
-        bwd_rows=32 if interpreting or max(BD, BV_all) >= 512 else 64,
+        bwd_rows=32 if interpreting or max(BD, BV_all) >= 512 or fp32_wide else 64,
         out_rows=32 if interpreting else 64,
     )
     cfg = env_overrides(cfg, LAUNCH_ENV)
