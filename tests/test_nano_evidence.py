@@ -164,3 +164,42 @@ def test_compile_warm_up_config_is_a_valid_trainer_config(tmp_path):
     assert parsed.mock_data and parsed.attention_variant == "superlinear"
     run.dry = True
     assert run.warm_up("standard") is None and len(started) == 1
+
+
+@pytest.mark.parametrize("exits, want", [((0, 0), 0), ((0, 3), 1)])
+def test_warm_only_runs_each_variant_once_in_turn(tmp_path, exits, want):
+    """--warm-only: the compile warm-ups of 'standard' and then of every other arm's variant,
+    one at a time (each waited for before the next starts), nothing else; exit 1 when one
+    failed."""
+    import argparse
+
+    settings = ne.read_settings()
+    args = argparse.Namespace(work=str(tmp_path / "work"), t0=None, deadline=None,
+                              warm_only=True)
+    run = ne.Run(args, dict(settings, dry=False), ["superlinear", "standard"])
+    os.makedirs(run.hf_random)
+    events = []
+
+    class FakeJob:
+        def __init__(self, name, rc):
+            self.name, self.rc, self.stopped = name, None, ""
+            self._rc = rc
+
+        def poll(self):
+            self.rc = self._rc
+            events.append(("poll", self.name))
+            return self.rc
+
+        def stop(self, grace, log):
+            pass
+
+    rcs = iter(exits)
+    run.job = lambda name, cmd, log=None, nice=0: events.append(("start", name)) or FakeJob(
+        name, next(rcs))
+    assert run.warm_only() == want
+    starts = [e for e in events if e[0] == "start"]
+    assert starts == [("start", "warm-standard"), ("start", "warm-superlinear")]
+    # the second warm-up starts only after the first was polled to its end
+    assert events.index(("poll", "warm-standard")) < events.index(("start", "warm-superlinear"))
+    assert run.timings[-1]["step"].startswith("compile warm-ups only")
+    assert run.timings[-1]["status"] == ("ok" if want == 0 else "exits [0, 3]")

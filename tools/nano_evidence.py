@@ -342,7 +342,7 @@ class Run:
                        template_repeats=int(tok.get("template-repeats", 1)))
         self.log(f"prep: tokenizer ({tok['vocab-size']} tokens) in {self.hf_random}")
         jobs = self.data_jobs  # filled as they start: stopped at the end whatever happens
-        if not self.args.warm_only:
+        if not getattr(self.args, "warm_only", False):
             self._start_data(jobs)
         self._random_model()
         self.step("prep (tokenizer, random NemotronH)", start, "ok")
@@ -706,7 +706,7 @@ class Run:
         self.save_info()
         try:
             self.prep()
-            if self.args.warm_only:
+            if getattr(self.args, "warm_only", False):
                 return self.warm_only()
             self.base_run(self.data_jobs)
             self.curricula = self.arms_setup(self.data_jobs)
