@@ -2,7 +2,9 @@
 arm names stop the script before anything is written; the one-GPU recipe files agree with the
 model they describe and pass the curriculum's checks; and (-m slow, ~3-4 minutes on 2 cores) the
 whole pipeline in its CPU dry mode: two arms, NIAH before and after each, tokens/s per stage,
-one tarball and one summary."""
+one tarball and one summary. The two-call form: STAGE checks (exit 2 before anything is
+written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~2
+minutes) STAGE=base chained into the arms call through the carried parts."""
 
 import json
 import os
@@ -203,3 +205,178 @@ def test_warm_only_runs_each_variant_once_in_turn(tmp_path, exits, want):
     assert events.index(("poll", "warm-standard")) < events.index(("start", "warm-superlinear"))
     assert run.timings[-1]["step"].startswith("compile warm-ups only")
     assert run.timings[-1]["status"] == ("ok" if want == 0 else "exits [0, 3]")
+
+
+# ------------------------------------------------------------------------------------------------
+# two device calls: STAGE=base, then STAGE=arms with the base carried as .nano-base.tgz.a*
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage, err", [
+    ("dense", "STAGE=dense: allowed base, arms"),
+    ("arms", "STAGE=arms needs the base's parts .nano-base.tgz.aa"),
+])
+def test_bad_stage_fails_before_anything_runs(tmp_path, stage, err):
+    """An unknown STAGE, or STAGE=arms without the carried parts in the repo root, stops the
+    script with exit 2 naming the variable, before WORK or OUT exist."""
+    if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
+        pytest.skip("carried parts in the repo root (a two-call run in progress)")
+    p = _script(tmp_path, STAGE=stage)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert err in p.stderr
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as e:  # the driver's own flag: argparse's choices
+        ne.main(["run", "--stage", "both"])
+    assert e.value.code == 2
+
+
+def _fake_base(folder, weight_bytes):
+    """A WORK/base as STAGE=base leaves it: the HF folder (incompressible weights of
+    ``weight_bytes``), the import's model.yaml, base.json, and a checkpoint that must not
+    travel."""
+    hf = folder / "hf"
+    hf.mkdir(parents=True)
+    (hf / "model.safetensors").write_bytes(os.urandom(weight_bytes))
+    (hf / "config.json").write_text('{"architectures": ["NemotronHForCausalLM"]}')
+    (hf / "tokenizer.json").write_text('{"model": {"vocab": {}}}')
+    (folder / "import").mkdir()
+    (folder / "import" / "model.yaml").write_text("hidden-size: 256\n")
+    (folder / "import" / "iter_0000000").mkdir()
+    (folder / "import" / "iter_0000000" / "x.distcp").write_bytes(b"x" * 100)
+    (folder / "base.json").write_text('{"base": {"rate": 1.0}}')
+    (folder / "train").mkdir()
+    (folder / "train" / "latest_checkpointed_iteration.txt").write_text("7")
+    (folder / "train" / "iter_0000007").mkdir()
+    return folder
+
+
+def _tree(folder):
+    out = {}
+    for dirpath, _, files in os.walk(folder):
+        for fn in files:
+            path = os.path.join(dirpath, fn)
+            out[os.path.relpath(path, folder)] = open(path, "rb").read()
+    return out
+
+
+def test_base_parts_round_trip(tmp_path):
+    """pack_parts splits WORK/base's carried members into parts of the given size (named as
+    split names them, so `cat parts | tar -xz` works too) and unpack_parts restores them byte for
+    byte; checkpoints stay behind; more parts than allowed is an error that leaves none."""
+    src = _fake_base(tmp_path / "src", 3 * 2 ** 20)
+    paths = ne.pack_parts(str(src), str(tmp_path / "out" / "nano-base.tgz."),
+                          part_bytes=2 ** 20, max_parts=4)
+    assert [os.path.basename(p) for p in paths] == [
+        "nano-base.tgz.aa", "nano-base.tgz.ab", "nano-base.tgz.ac", "nano-base.tgz.ad"]
+    assert all(os.path.getsize(p) == 2 ** 20 for p in paths[:-1])
+    dest = tmp_path / "dest"
+    ne.unpack_parts(list(reversed(paths)), str(dest))  # name order, whatever order given
+    want = {k: v for k, v in _tree(src).items() if "iter_" not in k}
+    assert _tree(dest) == want and "hf/model.safetensors" in want
+    assert "import/model.yaml" in want and "train/latest_checkpointed_iteration.txt" in want
+    # the shell's way: cat + tar
+    shell = tmp_path / "shell"
+    shell.mkdir()
+    subprocess.run(f"cat {' '.join(paths)} | tar -xz -C {shell}", shell=True, check=True)
+    assert _tree(shell) == want
+    # over the limit: an error, no parts left
+    with pytest.raises(ne.EvidenceError, match="over --max-parts 2"):
+        ne.pack_parts(str(src), str(tmp_path / "over" / "p."), part_bytes=2 ** 20, max_parts=2)
+    assert not (tmp_path / "over").exists() or not os.listdir(tmp_path / "over")
+    with pytest.raises(ne.EvidenceError, match="no parts"):
+        ne.unpack_parts([], str(dest))
+    with pytest.raises(ne.EvidenceError, match="no exported HF folder"):
+        ne.pack_parts(str(tmp_path / "dest" / "import"), str(tmp_path / "x."))
+
+
+def test_evidence_model_fits_two_parts():
+    """evidence.yaml's model (with the 8,192-token tokenizer) stays <= 13.5M parameters, so
+    its bf16 weights (+ tokenizer) fit 2 parts of 15 MiB even uncompressed, and it keeps Nano's
+    shape: the pattern, MoE with a shared expert, GQA with head_dim 128, Mamba-2."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip("NemotronH needs transformers >= 5.3")
+    import torch
+
+    settings = ne.read_settings()
+    m = dict(settings["model"])
+    pattern = m.pop("pattern")
+    m.pop("seed")
+    assert pattern == "MEMEM*EMEM*E"
+    assert m["head_dim"] == 128 and m["num_attention_heads"] > m["num_key_value_heads"] > 0
+    assert m["moe_shared_expert_intermediate_size"] > 0 and m["n_routed_experts"] > 1
+    assert m["mamba_num_heads"] > 0 and m["ssm_state_size"] > 0
+    m["layers_block_type"] = [ne.SYMBOL_BLOCK[c] for c in pattern]
+    m["vocab_size"] = settings["tokenizer"]["vocab-size"]
+    assert m["vocab_size"] == 8192
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**m))
+    params = sum(p.numel() for p in model.parameters())
+    assert params <= 13.5e6, params
+    assert 2 * params + 2 * 2 ** 20 <= 2 * ne.PART_BYTES  # bf16 + a tokenizer, before gzip
+    # the yaml's comment states the count
+    text = open(os.path.join(ONE_GPU, "evidence.yaml"), encoding="utf-8").read()
+    assert f"{params:,} parameters" in text
+
+
+@pytest.mark.slow
+def test_dry_two_calls_chain(tmp_path):
+    """STAGE=base then STAGE=arms in the CPU dry mode: call A leaves the base's parts (and no
+    arm), its summary says whether the base retrieves; with the parts copied into the repo root
+    as .nano-base.tgz.a*, call B (a fresh WORK) imports both arms from the carried base without
+    training a base, and its summary has before/after rows per arm."""
+    if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
+        pytest.skip("carried parts in the repo root already")
+    a = _script(tmp_path / "a", CALL_LIMIT="1700", STAGE="base")
+    assert a.returncode == 0, a.stdout[-4000:] + a.stderr[-4000:]
+    out_a = tmp_path / "a" / "out"
+    assert sorted(os.listdir(out_a)) == ["nano-base.tgz.aa", "nano-evidence.md",
+                                        "nano-evidence.tgz"]
+    text_a = (out_a / "nano-evidence.md").read_text()
+    assert "STAGE=base" in text_a and "The base's NIAH at short lengths" in text_a
+    assert not (tmp_path / "a" / "work" / "arms").exists()
+    copied = []
+    try:
+        for f in sorted(os.listdir(out_a)):
+            if f.startswith("nano-base.tgz.a"):
+                copied.append(os.path.join(ROOT, "." + f))
+                subprocess.run(["cp", str(out_a / f), copied[-1]], check=True)
+        b = _script(tmp_path / "b", CALL_LIMIT="1700")  # no STAGE: the parts mean arms
+    finally:
+        for f in copied:
+            os.remove(f)
+    assert b.returncode == 0, b.stdout[-4000:] + b.stderr[-4000:]
+    assert "STAGE=arms: the carried base's parts" in b.stdout
+    work_b = tmp_path / "b" / "work"
+    assert (work_b / "base" / "hf" / "config.json").is_file()
+    assert not (work_b / "hf-random").exists()  # no random model, no base import or training
+    assert not (work_b / "logs" / "base-import.log").exists()
+    assert not [d for d in os.listdir(work_b / "base" / "train") if d.startswith("iter_")]
+    text_b = (tmp_path / "b" / "out" / "nano-evidence.md").read_text()
+    assert "STAGE=arms" in text_b and "(STAGE=base call, carried)" in text_b
+    for arm in ("superlinear", "standard"):
+        assert f"| {arm} | before | import (0) |" in text_b
+        assert f"| {arm} | after | stage3 (2) |" in text_b
+    timings = json.load(open(work_b / "timings.json"))
+    assert [t["step"].split(":")[0] for t in timings["timings"]] == [
+        "prep (the carried base)", "arms", "arms", "arms"]
+    # the arms imported the carried folder
+    cur = yaml.safe_load(open(work_b / "arms" / "standard" / "curriculum.yaml"))
+    assert cur["hf"] == str(work_b / "base" / "hf")
+
+
+def test_bf16_weights_casts_fp32_only(tmp_path):
+    """pack-base --bf16 (GPU runs): the HF folder's fp32 tensors become bf16 (config.json says
+    so), other dtypes stay, the values are the bf16 roundings; a bf16 folder is left alone."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    w = torch.randn(64, 32)
+    save_file({"w": w, "i": torch.arange(4)}, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text('{"torch_dtype": "float32"}')
+    assert ne.bf16_weights(str(hf)) == 1
+    t = load_file(str(hf / "model.safetensors"))
+    assert t["w"].dtype == torch.bfloat16 and torch.equal(t["w"], w.to(torch.bfloat16))
+    assert t["i"].dtype == torch.int64
+    assert json.load(open(hf / "config.json"))["torch_dtype"] == "bfloat16"
+    assert ne.bf16_weights(str(hf)) == 0

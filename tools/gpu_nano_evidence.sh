@@ -18,6 +18,28 @@
 # then carry [".whl", "data", ".tcache.tgz.aa", ".tcache.tgz.ab"].
 # Back here: mkdir -p /tmp/ne && tar -xzf <files_at>/nano-evidence.tgz -C /tmp/ne
 #
+# TWO calls (the evidence as issue 23 wants it: one call left the base 94 iterations, ~120 s, and
+# it never retrieved): STAGE=base gives the base the whole first call, STAGE=arms the arms the
+# whole second, the base crossing between them as at most 2 parts of 15 MiB (evidence.yaml's
+# model is sized for that: 12.6M parameters, bf16 HF folder + tokenizer ~24 MB as tar.gz).
+#   call A (carry [".whl", "data"], + ".tcache.tgz.aa", ... if carried):
+#     export CALL_T0=$(date +%s); source .whl/setup.sh && STAGE=base bash tools/gpu_nano_evidence.sh
+#   prep (tokenizer, random model, LM + base NIAH data), the base trained to the call's end less
+#   export-s + base-eval-s (evidence.yaml timing), exported to HF beside its own NIAH at 1K/2K/4K
+#   (evidence.yaml base.eval: does it retrieve at all? in the summary); $OUT gets
+#   nano-base.tgz.aa[, .ab] (WORK/base: hf/, import/model.yaml, base.yaml, base.json, the
+#   metrics, the short NIAH; more than 2 parts is an error), nano-evidence.tgz/.md, tcache parts.
+#   Copy the base's parts here, with a leading dot (ignored by git):
+#     for f in <files_at>/nano-base.tgz.a*; do cp "$f" ".${f##*/}"; done
+#   call B (carry [".whl", "data", ".nano-base.tgz.aa", ".nano-base.tgz.ab"], + a Triton cache
+#   part while the 64 MiB allow):
+#     export CALL_T0=$(date +%s); source .whl/setup.sh && STAGE=arms bash tools/gpu_nano_evidence.sh
+#   the parts unpacked into WORK/base, no random model and no base training: the arms import
+#   WORK/base/hf and get the whole call (stages sized from the base's measured tokens/s, NIAH
+#   before and after). Without STAGE, present .nano-base.tgz.a* mean STAGE=arms; absent, the
+#   one-call pipeline above. STAGE other than base/arms, or STAGE=arms without parts: exit 2
+#   before anything is written. Remove the parts afterwards: rm .nano-base.tgz.a*
+#
 # Arms: the first argument, a comma list of evidence.yaml's arms (default superlinear,standard);
 # an unknown name stops the script (exit 2) before anything is written.
 # DRY=1 (implied without nvidia-smi): the same pipeline at CPU sizes (evidence.yaml's dry block:
@@ -42,12 +64,29 @@ OUT=${OUT:-runs/nano-evidence-out}
 WORK=${WORK:-runs/nano-evidence}
 dry_flag=${DRY:+--dry}
 # bad input stops here, before anything is written
+STAGE=${STAGE:-}
+parts=$(compgen -G ".nano-base.tgz.a*" | sort | tr '\n' ' ')
+case "$STAGE" in
+  "") if [ -n "$parts" ]; then STAGE=arms; echo "STAGE=arms: the carried base's parts $parts"; fi ;;
+  base) ;;
+  arms) if [ -z "$parts" ]; then
+          echo "error: STAGE=arms needs the base's parts .nano-base.tgz.aa, ... in the repo root" \
+               "(\$OUT/nano-base.tgz.a* of a STAGE=base call, copied with a leading dot)" >&2; exit 2
+        fi ;;
+  *) echo "error: STAGE=$STAGE: allowed base, arms (or unset: one call, or arms when" \
+          ".nano-base.tgz.a* are present)" >&2; exit 2 ;;
+esac
 python3 tools/nano_evidence.py check --arms "$arms" $dry_flag || exit 2
 if [ -e "$WORK" ]; then
   if [ -f "$WORK/timings.json" ] || [ -z "$(ls -A "$WORK")" ]; then rm -rf "$WORK"
   else echo "error: WORK=$WORK exists and holds no earlier run of this script; set WORK" >&2; exit 2; fi
 fi
 mkdir -p "$WORK" "$OUT"
+if [ "$STAGE" = arms ]; then
+  # shellcheck disable=SC2086  # the parts' names are split's (no spaces)
+  python3 tools/nano_evidence.py unpack-base --work "$WORK" --parts $parts \
+    || { echo "error: the carried parts $parts did not unpack" >&2; exit 1; }
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # Triton's compile cache in .tcache/ (the path gpu_parallel.sh and gpu_kernel_suite.sh use: its
 # index records absolute paths, so a carried cache hits only there). The first training step
@@ -76,11 +115,21 @@ deadline=$(( CALL_T0 + CALL_LIMIT - RESERVE ))
 # the driver ends its steps by the deadline; timeout is the backstop that leaves the packing time
 timeout -k 5 $(( deadline - $(date +%s) + 10 )) \
   python3 tools/nano_evidence.py run --arms "$arms" --work "$WORK" $dry_flag --t0 "$CALL_T0" \
+  --stage "${STAGE:-all}" \
   --deadline "$deadline" ${BASE_ITERS:+--base-iters "$BASE_ITERS"} \
   ${STAGE_ITERS:+--stage-iters "$STAGE_ITERS"} ${FIXED_ITERS:+--fixed-iters} \
   ${WARM_ONLY:+--warm-only} 2>&1 \
   | tee "$WORK/driver.log"
 rc=${PIPESTATUS[0]}
+# STAGE=base: the base for the next call, at most 2 parts of 15 MiB (with .whl and data, what a
+# call's 64 MiB carry holds); more is an error (the model is too large for two calls)
+if [ "$STAGE" = base ]; then
+  rm -f "$OUT"/nano-base.tgz.*
+  bf16_flag=--bf16   # the GPU's export holds the checkpoint's dtype; bf16 is what Nano ships
+  if [ -n "$DRY" ]; then bf16_flag=; fi
+  python3 tools/nano_evidence.py pack-base --work "$WORK" --out "$OUT/nano-base.tgz." \
+    --max-parts 2 $bf16_flag || rc=1
+fi
 # always: the summary (printed) and the one tarball, whatever ran
 python3 tools/nano_evidence.py pack --work "$WORK" --tarball "$OUT/nano-evidence.tgz" \
   --summary "$OUT/nano-evidence.md" || rc=1

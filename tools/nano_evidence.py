@@ -2,12 +2,25 @@
 """Evidence on one GPU (issue 23): a Nano-shaped hybrid through the Superlinear recipe at
 4K -> 8K -> 16K, next to the same model kept dense (recipes/nemotron-3-nano-superlinear/README.md,
 "Evidence on one GPU"; settings in recipes/nemotron-3-nano-superlinear/one-gpu/).
-tools/gpu_nano_evidence.sh runs it in one device call.
+tools/gpu_nano_evidence.sh runs it in one device call, or in two (``--stage base`` then
+``--stage arms``, the base carried between them as tar.gz parts: its header has the commands).
 
     python tools/nano_evidence.py check [--arms superlinear,standard]
     python tools/nano_evidence.py run [--arms A,B] [--work runs/nano-evidence] [--dry]
-        [--t0 EPOCH] [--deadline EPOCH] [--base-iters N] [--stage-iters A,B,C] [--fixed-iters]
+        [--stage all|base|arms] [--t0 EPOCH] [--deadline EPOCH] [--base-iters N]
+        [--stage-iters A,B,C] [--fixed-iters]
     python tools/nano_evidence.py pack [--work W] [--tarball F] [--summary F]
+    python tools/nano_evidence.py pack-base --work W --out PREFIX [--max-parts 2]
+    python tools/nano_evidence.py unpack-base --work W --parts PART [PART ...]
+
+``--stage`` (default ``all``: the steps below in one call): ``base`` runs 1-2 only, the base's
+training sized to the whole call less ``export-s`` and ``base-eval-s``, and evaluates the base's
+NIAH at short lengths (evidence.yaml ``base.eval``) beside its export, writing WORK/base/base.json
+(model, iterations, tokens/s, that NIAH); ``pack-base`` then splits WORK/base's HF folder and
+small files (BASE_MEMBERS) into 15 MiB parts, at most ``--max-parts`` (exit 1 past it).
+``arms`` expects them unpacked into WORK/base (``unpack-base``) and runs 3-5 from there: no
+tokenizer training, no random model, no base training; the data uses the carried tokenizer, the
+stages are sized from the carried tokens/s and get the whole call.
 
 ``run``, in order (each step's start and end, in seconds from ``--t0``, in WORK/timings.json):
 
@@ -83,8 +96,9 @@ def read_settings(recipe: str = RECIPE, dry: bool = False) -> dict:
     if dry:
         for key in ("model", "tokenizer", "lm", "timing"):
             s[key] = {**s.get(key, {}), **(d.get(key) or {})}
-        s["base"] = {**s["base"], "niah": {**s["base"]["niah"],
-                                           **((d.get("base") or {}).get("niah") or {})}}
+        db = d.get("base") or {}
+        s["base"] = {**s["base"], "niah": {**s["base"]["niah"], **(db.get("niah") or {})},
+                     "eval": {**s["base"].get("eval", {}), **(db.get("eval") or {})}}
         s["dry-flags"] = d.get("flags") or {}
         s["dry-base-flags"] = (d.get("base") or {}).get("flags") or {}
         s["dry-stages"] = d.get("stages") or []
@@ -260,8 +274,13 @@ class Run:
         self.hf_random = os.path.join(self.work, "hf-random")
         self.base = os.path.join(self.work, "base")
         self.logs = os.path.join(self.work, "logs")
+        self.stage = getattr(args, "stage", None) or "all"
+        # the tokenizer every data job uses: the one trained here, or (STAGE=arms) the carried
+        # base's, which is the same file
+        self.tok = os.path.join(self.base, "hf") if self.stage == "arms" else self.hf_random
         self.timings: List[dict] = []
-        self.info: dict = {"mode": "DRY (CPU)" if self.dry else "GPU", "arms": arms,
+        self.info: dict = {"mode": "DRY (CPU)" if self.dry else "GPU", "stage": self.stage,
+                           "arms": [] if self.stage == "base" else arms,
                            "corpus": self.corpus, "deadline_s": round(self.deadline - self.t0),
                            "iterations": {}, "notes": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -333,6 +352,8 @@ class Run:
     def prep(self) -> Dict[str, Job]:
         start = time.time()
         os.makedirs(self.data, exist_ok=True)
+        if self.stage == "arms":
+            return self._prep_carried()
         from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: PLC0415
 
         tok = self.s["tokenizer"]
@@ -348,20 +369,56 @@ class Run:
         self.step("prep (tokenizer, random NemotronH)", start, "ok")
         return jobs
 
+    def _prep_carried(self) -> Dict[str, Job]:
+        """STAGE=arms: the base carried from the STAGE=base call (unpacked into WORK/base by
+        ``unpack-base``) stands for the random model and the base training: its HF folder is
+        what the arms import, its tokenizer the data's, its base.json the model and the
+        measured tokens/s the stages are sized from."""
+        start = time.time()
+        hf = os.path.join(self.base, "hf")
+        if not os.path.isfile(os.path.join(hf, "config.json")):
+            raise EvidenceError(f"STAGE=arms: no carried base in {hf} (config.json missing): "
+                                "unpack the .nano-base.tgz.a* parts first (unpack-base)")
+        meta = os.path.join(self.base, "base.json")
+        carried = json.load(open(meta, encoding="utf-8")) if os.path.isfile(meta) else {}
+        self.info["model"] = carried.get("model", {})
+        self.info["iterations"]["base"] = {**carried.get("base", {}), "carried": True}
+        self.info["base_niah"] = carried.get("niah")
+        self.log(f"prep: the carried base in {hf} ({carried.get('base', {}).get('done', '?')} "
+                 "iterations in the STAGE=base call)")
+        self._start_data(self.data_jobs)
+        if not self.dry:  # the arms' kernels compile during the data preparation, in turn
+            variants = ["standard"] + sorted({self.s["arms"][a]["attention-variant"]
+                                              for a in self.arms} - {"standard"})
+            cmds = [shlex.join([PY, "examples/pretrain_hybrid.py", "--config",
+                                self._warm_config(v)]) for v in variants]
+            self.warm_jobs = [self.job("warm-arms", ["bash", "-c", "; ".join(cmds)])]
+        self.step("prep (the carried base)", start, "ok")
+        return self.data_jobs
+
     def _start_data(self, jobs: Dict[str, Job]) -> None:
-        """The LM text, the base's and the stages' NIAH data and the evaluation samples, as
-        background jobs (``jobs``, by name)."""
+        """The background jobs (``jobs``, by name) of what this stage needs: the LM text (all);
+        the base's NIAH training data (all, base) and its short evaluation samples (base);
+        the stages' NIAH data and the evaluation samples (all, arms)."""
         lm = [PY, "tools/preprocess_data.py", "--input", self.corpus, "--output-prefix",
               os.path.join(self.data, "lm"), "--tokenizer-type", "HuggingFaceTokenizer",
-              "--tokenizer-model", self.hf_random, "--workers", str(self.workers),
+              "--tokenizer-model", self.tok, "--workers", str(self.workers),
               "--no-progress"]
         if self.s["lm"].get("max-documents"):
             lm += ["--max-documents", str(self.s["lm"]["max-documents"])]
         jobs["lm"] = self.job("prep-lm", lm)
-        b = self.s["base"]["niah"]
-        jobs["niah-base"] = self.job("prep-niah-base", self.niah_cmd(
-            self.hf_random, os.path.join(self.data, "niah-base"), b["lengths"], b["depths"],
-            b["samples-per-cell"], b["seed"]))
+        if self.stage != "arms":
+            b = self.s["base"]["niah"]
+            jobs["niah-base"] = self.job("prep-niah-base", self.niah_cmd(
+                self.tok, os.path.join(self.data, "niah-base"), b["lengths"], b["depths"],
+                b["samples-per-cell"], b["seed"]))
+        if self.stage == "base":
+            e = self.s["base"]["eval"]
+            jobs["niah-base-eval"] = self.job("prep-niah-base-eval", self.niah_cmd(
+                self.tok, os.path.join(self.data, "niah-base-eval"), e["lengths"], e["depths"],
+                e["samples-per-cell"], e["seed"], fmt="eval", skip=e.get("skip-documents", 0)),
+                nice=10)
+            return
         # the stages' data and the evaluation samples are needed later: at a lower priority
         cur = _yaml(os.path.join(RECIPE, "curriculum.yaml"))
         depths = self.s.get("dry-niah-depths") or cur["niah"]["depths"]
@@ -370,14 +427,14 @@ class Run:
             if self.dry:
                 niah.update((self.s["dry-stages"][k - 1].get("niah") or {}))
             jobs[f"niah-stage{k}"] = self.job(f"prep-niah-stage{k}", self.niah_cmd(
-                self.hf_random, os.path.join(self.data, f"niah-stage{k}"), niah["lengths"],
+                self.tok, os.path.join(self.data, f"niah-stage{k}"), niah["lengths"],
                 depths, niah["samples-per-cell"], niah["seed"]), nice=10)
         ev = {**cur["eval"], **(self.s.get("dry-eval") or {})}
         from megatron_subq.evaluation.niah import parse_numbers  # noqa: PLC0415
 
         lengths = [int(x) for x in parse_numbers(ev["lengths"], "--lengths", doubling=True)]
         jobs["niah-eval"] = self.job("prep-niah-eval", self.niah_cmd(
-            self.hf_random, os.path.join(self.data, "niah-eval"), lengths, ev["depths"],
+            self.tok, os.path.join(self.data, "niah-eval"), lengths, ev["depths"],
             ev["samples-per-cell"], ev["seed"], fmt="eval", skip=ev.get("skip-documents", 0)),
             nice=10)
 
@@ -416,18 +473,23 @@ class Run:
         data preparation. None on the CPU (DRY: the interpreter compiles nothing)."""
         if self.dry:
             return None
+        path = self._warm_config(variant)
+        return self.job(f"warm-{variant}", [PY, "examples/pretrain_hybrid.py", "--config", path])
+
+    def _warm_config(self, variant: str) -> str:
+        """warm_up's trainer config for ``variant`` (WORK/warm/VARIANT.yaml); its path."""
         cfg = {k: v for k, v in _yaml(os.path.join(RECIPE, "base.yaml")).items()
                if k not in self.WARM_DROP}
         # the base's micro-batch (Triton specialises integer arguments equal to 1 or divisible
         # by 16: a warm-up at micro-batch 1 would compile other variants than the runs use)
         cfg.update({"mock-data": True, "train-iters": 2, "lr-warmup-iters": 1,
                     "global-batch-size": int(cfg["micro-batch-size"]),
-                    "tokenizer-model": self.hf_random, "attention-variant": variant,
+                    "tokenizer-model": self.tok, "attention-variant": variant,
                     "log-interval": 1})
         path = os.path.join(self.work, "warm", f"{variant}.yaml")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _write_yaml(path, cfg, "# compile warm-up (tools/nano_evidence.py warm_up)\n")
-        return self.job(f"warm-{variant}", [PY, "examples/pretrain_hybrid.py", "--config", path])
+        return path
 
     def base_run(self, data_jobs: Dict[str, Job]) -> None:
         start = time.time()
@@ -461,9 +523,14 @@ class Run:
         # the base's share of what is left, less the arms' imports, their stages' start-ups and
         # the after step; its iterations from the guessed rate, and the trainer's own clock
         t = self.timing
-        n_stages = 3
-        free = self.left() - float(t["after-s"]) - float(t["import-s"])
-        budget = max(60.0, float(t["base-share"]) * (free - n_stages * float(t["startup-s"])))
+        if self.stage == "base":  # the whole call, less the export and the short NIAH at its end
+            until = self.deadline - float(t["export-s"]) - float(t["base-eval-s"])
+            budget = max(60.0, until - time.time() - float(t["startup-s"]))
+        else:
+            n_stages = 3
+            free = self.left() - float(t["after-s"]) - float(t["import-s"])
+            budget = max(60.0, float(t["base-share"]) * (free - n_stages * float(t["startup-s"])))
+            until = start + budget + 60
         tokens = int(cfg["global-batch-size"]) * int(cfg["seq-length"])
         if self.args.base_iters:
             cfg["train-iters"] = int(self.args.base_iters)
@@ -488,7 +555,7 @@ class Run:
         # the other arms' kernels compile meanwhile (one sequence: a little GPU time)
         variants = {self.s["arms"][a]["attention-variant"] for a in self.arms} - {"standard"}
         self.warm_jobs = [j for j in map(self.warm_up, sorted(variants)) if j is not None]
-        wait_all([train], start + budget + 60, 30, self.log)
+        wait_all([train], until, 30, self.log)
         if saved_iteration(os.path.join(self.base, "train")) is None:
             raise RuntimeError(f"base training wrote no checkpoint (exit {train.rc}; log "
                                f"{train.log})")
@@ -502,9 +569,40 @@ class Run:
                                        os.path.join(self.base, "train"), "--hf-out",
                                        os.path.join(self.base, "hf"), "--hf-config",
                                        os.path.join(self.base, "import"), "--no-progress"])
-        wait_all([exp], self.deadline, 5, self.log)
+        jobs = [exp]
+        if self.stage == "base":  # the base's short NIAH beside the export (GPU and CPU)
+            out = os.path.join(self.base, "niah")
+            os.makedirs(out, exist_ok=True)
+            data = self.data_jobs["niah-base-eval"]
+            wait_all([data], self.deadline, 5, self.log)  # its samples (the export runs on)
+            e = self.s["base"]["eval"]
+            cmd = [PY, "tools/niah.py", "eval", "--load", os.path.join(self.base, "train"),
+                   "--input", os.path.join(self.data, "niah-base-eval.jsonl"), "--output",
+                   os.path.join(out, "niah.json"), "--plot", os.path.join(out, "niah.png"),
+                   "--max-batch-tokens", str(e.get("max-batch-tokens", 16384)), "--no-progress"]
+            if data.poll() == 0:
+                jobs.append(self.job("base-niah", cmd, os.path.join(out, "eval.log")))
+            else:
+                self.info["notes"].append(f"base NIAH: no samples (exit {data.rc}; log "
+                                          f"{data.log}); not evaluated")
+        wait_all(jobs, self.deadline, 5, self.log)
         self.need([exp], "base export")
-        self.step("base: export to HF", start, "ok")
+        self.step("base: export to HF" + (" + short NIAH" if len(jobs) > 1 else ""), start,
+                  "; ".join(f"{j.name} {j.stopped or f'exit {j.rc}'}" for j in jobs))
+        if self.stage == "base":
+            self._base_meta()
+
+    def _base_meta(self) -> None:
+        """WORK/base/base.json: what STAGE=arms needs of this call besides the HF folder (the
+        model's description, the base's iterations and tokens/s, its short NIAH)."""
+        r = niah_by_length(os.path.join(self.base, "niah", "niah.json"))
+        niah = None if r is None else {"accuracy": r["accuracy"], "logprob": r["logprob"],
+                                       "lengths": {str(n): v[0] for n, v in r["lengths"].items()}}
+        self.info["base_niah"] = niah
+        with open(os.path.join(self.base, "base.json"), "w", encoding="utf-8") as f:
+            json.dump({"model": self.info.get("model", {}),
+                       "base": self.info["iterations"].get("base", {}), "niah": niah}, f,
+                      indent=1)
 
     # -- 3. arms --------------------------------------------------------------------------------
     def stage_iters(self, cur: dict) -> List[int]:
@@ -708,7 +806,10 @@ class Run:
             self.prep()
             if getattr(self.args, "warm_only", False):
                 return self.warm_only()
-            self.base_run(self.data_jobs)
+            if self.stage != "arms":
+                self.base_run(self.data_jobs)
+            if self.stage == "base":
+                return 0
             self.curricula = self.arms_setup(self.data_jobs)
             self.train_and_before()
             self.after()
@@ -810,40 +911,57 @@ def summary(work: str) -> str:
     m = info.get("model", {})
     out = ["# Evidence on one GPU: a Nano-shaped hybrid through the Superlinear recipe, "
            "4K → 8K → 16K", "",
-           f"- mode: {info.get('mode', '?')}{f' on {gpu}' if gpu else ''}; "
+           f"- mode: {info.get('mode', '?')}{f' on {gpu}' if gpu else ''}, "
+           f"STAGE={info.get('stage', 'all')}; "
            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; steps ended at "
            f"{end:.0f} s of the call (deadline {info.get('deadline_s', '?')} s)",
            f"- model: random NemotronH `{m.get('pattern', '?')}`, "
            f"{m.get('parameters', 0) / 1e6:.1f}M parameters, vocabulary {m.get('vocab', '?')}; "
            "imported (standard), base-trained on docs text + NIAH, exported to HF, imported "
            "again per arm (superlinear: surgery)", ""]
-    # NIAH
-    out += ["## NIAH accuracy, before → after (greedy answer = the needle's value)", ""]
-    table, lengths = [], set()
-    for arm in arms:
-        for when, f in (("before", os.path.join(work, "arms", arm, "before", "niah.json")),
-                        ("after", os.path.join(work, "arms", arm, "run", "eval", "niah.json"))):
-            r = niah_by_length(f)
-            if r:
-                lengths |= set(r["lengths"])
-            table.append((arm, when, r))
-    lengths = sorted(lengths)
-    head = ["arm", "when", "checkpoint (iteration)", *[_len_label(n) for n in lengths], "all",
-            "answer log-prob"]
-    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    # NIAH (STAGE=base has no arms: the base's own table below)
     after = info.get("after", {})
-    for arm, when, r in table:
-        if r is None:
-            out.append(f"| {arm} | {when} | not run |" + " |" * (len(lengths) + 2))
-            continue
-        what = "import" if when == "before" else after.get(arm, {}).get("checkpoint", "?")
-        cells = [f"{r['lengths'][n][0]:.2f}" if n in r["lengths"] else "" for n in lengths]
-        out.append("| " + " | ".join([arm, when, f"{what} ({r['iteration']})", *cells,
-                                      f"{r['accuracy']:.2f}", f"{r['logprob']:.2f}"]) + " |")
-    out += ["", "Accuracy per length over every depth (0–100 %); cells per depth in the "
-            "heatmaps (`niah-heatmaps.png`, and each eval's `niah.png`). The answer log-prob "
-            "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
-            "accuracy.", ""]
+    if arms:
+        out += ["## NIAH accuracy, before → after (greedy answer = the needle's value)", ""]
+        table, lengths = [], set()
+        for arm in arms:
+            arm_dir = os.path.join(work, "arms", arm)
+            for when, f in (("before", os.path.join(arm_dir, "before", "niah.json")),
+                            ("after", os.path.join(arm_dir, "run", "eval", "niah.json"))):
+                r = niah_by_length(f)
+                if r:
+                    lengths |= set(r["lengths"])
+                table.append((arm, when, r))
+        lengths = sorted(lengths)
+        head = ["arm", "when", "checkpoint (iteration)", *[_len_label(n) for n in lengths], "all",
+                "answer log-prob"]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for arm, when, r in table:
+            if r is None:
+                out.append(f"| {arm} | {when} | not run |" + " |" * (len(lengths) + 2))
+                continue
+            what = "import" if when == "before" else after.get(arm, {}).get("checkpoint", "?")
+            cells = [f"{r['lengths'][n][0]:.2f}" if n in r["lengths"] else "" for n in lengths]
+            out.append("| " + " | ".join([arm, when, f"{what} ({r['iteration']})", *cells,
+                                          f"{r['accuracy']:.2f}", f"{r['logprob']:.2f}"]) + " |")
+        out += ["", "Accuracy per length over every depth (0–100 %); cells per depth in the "
+                "heatmaps (`niah-heatmaps.png`, and each eval's `niah.png`). The answer log-prob "
+                "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
+                "accuracy.", ""]
+    base_niah = niah_by_length(os.path.join(work, "base", "niah", "niah.json"))
+    if base_niah:
+        ls = sorted(base_niah["lengths"])
+        out += ["## The base's NIAH at short lengths (end of the STAGE=base call)", "",
+                "| " + " | ".join(["checkpoint (iteration)", *[_len_label(n) for n in ls],
+                                   "all", "answer log-prob"]) + " |",
+                "|" + "---|" * (len(ls) + 3),
+                "| " + " | ".join([f"base ({base_niah['iteration']})",
+                                   *[f"{base_niah['lengths'][n][0]:.2f}" for n in ls],
+                                   f"{base_niah['accuracy']:.2f}",
+                                   f"{base_niah['logprob']:.2f}"]) + " |", "",
+                f"At {', '.join(_len_label(n) for n in ls)} the base "
+                + ("retrieves." if base_niah["accuracy"] > 0 else
+                   "does not retrieve (accuracy 0.00): its arms can show no recovery."), ""]
     # throughput
     out += ["## Training: tokens/s per stage", "",
             "| run | seq | iterations (planned) | tokens | train s | tokens/s "
@@ -856,18 +974,19 @@ def summary(work: str) -> str:
             return None
         cfg = _yaml(cfg_path)
         tokens = int(cfg["global-batch-size"]) * int(cfg["seq-length"])
-        rows = metrics_rows(cfg.get("metrics-file", ""))
+        rows = metrics_rows(_local(cfg.get("metrics-file", ""), work))
         rate = throughput(rows, tokens)
         secs = sum(r["time_s"] for r in rows)
         losses = [r["lm_loss"] for r in rows if r.get("lm_loss") is not None]
         loss = f"{losses[0]:.2f} → {losses[-1]:.2f}" if losses else ""
-        done = saved_iteration(cfg["save"]) or 0
+        done = saved_iteration(_local(cfg["save"], work)) or 0
         return (f"| {name} | {cfg['seq-length']} | {done} ({planned}) | "
                 f"{_count(len(rows) * tokens)} | {secs:.0f} | "
                 f"{f'{rate:,.0f}' if rate else '—'} | {loss} |")
 
-    r = row("base (dense, alone)", os.path.join(work, "base", "base.yaml"),
-            its.get("base", {}).get("planned", "?"))
+    r = row("base (dense, alone)" + (" (STAGE=base call, carried)"
+                                     if its.get("base", {}).get("carried") else ""),
+            os.path.join(work, "base", "base.yaml"), its.get("base", {}).get("planned", "?"))
     if r:
         out.append(r)
     for arm in arms:
@@ -880,7 +999,8 @@ def summary(work: str) -> str:
     out += ["", "tokens/s: after the first tenth of the iterations (compilation), from the "
             "metrics files; " + ("the arms trained side by side on the one GPU, so each "
                                  "stage's tokens/s is its share, not the speed alone."
-                                 if len(arms) > 1 else "one arm alone on the GPU."), ""]
+                                 if len(arms) > 1 else "one arm alone on the GPU."
+                                 if arms else "the base alone on the GPU."), ""]
     if info.get("sizing"):
         s = info["sizing"]
         out.append(f"Stage iterations sized from the base's {s['rate']:,.0f} tokens/s × "
@@ -896,6 +1016,103 @@ def summary(work: str) -> str:
     if notes:
         out += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(out) + "\n"
+
+
+def _local(path: str, work: str) -> str:
+    """``path`` as written by a config of this run or of the STAGE=base call (whose WORK may
+    have been elsewhere): itself when it exists, else its part from ``/base/`` on under
+    ``work``."""
+    if not path or os.path.exists(path) or "/base/" not in path:
+        return path
+    return os.path.join(work, "base", path.rsplit("/base/", 1)[1])
+
+
+# what STAGE=base hands to STAGE=arms, relative to WORK/base: the exported HF folder (weights,
+# config, tokenizer), the import's model.yaml (the trainer flags of the model's shape), the
+# base's config, metrics, tracker, short NIAH and base.json; no Megatron checkpoint
+BASE_MEMBERS = ("hf", "import/model.yaml", "base.yaml", "base.json", "train/metrics.jsonl",
+                "train/latest_checkpointed_iteration.txt", "niah")
+PART_BYTES = 15 * 2 ** 20
+
+
+def _suffix(i: int) -> str:
+    """split(1)'s suffixes: aa, ab, ..., zz."""
+    return chr(ord("a") + i // 26) + chr(ord("a") + i % 26)
+
+
+def bf16_weights(hf: str) -> int:
+    """The HF folder's fp32 safetensors tensors rewritten as bf16 (config.json's dtype too), in
+    place; the number of tensors cast. Nano's HF folder is bf16, and the arms train in bf16; an
+    fp32 export (the checkpoint's dtype) would double the carried bytes."""
+    import torch  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
+
+    cast = 0
+    for path in sorted(glob.glob(os.path.join(hf, "*.safetensors"))):
+        tensors = load_file(path)
+        if not any(t.dtype == torch.float32 for t in tensors.values()):
+            continue
+        cast += sum(t.dtype == torch.float32 for t in tensors.values())
+        save_file({k: (t.to(torch.bfloat16) if t.dtype == torch.float32 else t).contiguous()
+                   for k, t in tensors.items()}, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(hf, "config.json")
+    if cast and os.path.isfile(cfg_path):
+        cfg = json.load(open(cfg_path, encoding="utf-8"))
+        for key in ("torch_dtype", "dtype"):
+            if key in cfg:
+                cfg[key] = "bfloat16"
+        with open(cfg_path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, indent=2)
+    return cast
+
+
+def pack_parts(folder: str, prefix: str, members=BASE_MEMBERS, part_bytes: int = PART_BYTES,
+               max_parts: int = 2) -> List[str]:
+    """``members`` of ``folder`` (those that exist; ``hf`` must) as one tar.gz split into
+    PREFIXaa, PREFIXab, ... of ``part_bytes`` each (``cat PREFIX* | tar -xz`` restores them).
+    More than ``max_parts`` parts (a device call carries 64 MiB in all) is an EvidenceError
+    and leaves none behind. Returns the parts' paths."""
+    if not os.path.isfile(os.path.join(folder, "hf", "config.json")):
+        raise EvidenceError(f"pack-base: no exported HF folder {os.path.join(folder, 'hf')}")
+    import io  # noqa: PLC0415
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for m in members:
+            if os.path.exists(os.path.join(folder, m)):
+                tar.add(os.path.join(folder, m), arcname=m)
+    data = buf.getvalue()
+    n = max(1, -(-len(data) // part_bytes))
+    if n > max_parts:
+        raise EvidenceError(f"pack-base: {len(data) / 2 ** 20:.1f} MiB packed = {n} parts of "
+                            f"{part_bytes / 2 ** 20:g} MiB, over --max-parts {max_parts}: "
+                            "shrink evidence.yaml's model")
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    paths = []
+    for i in range(n):
+        paths.append(prefix + _suffix(i))
+        with open(paths[-1], "wb") as f:
+            f.write(data[i * part_bytes:(i + 1) * part_bytes])
+    return paths
+
+
+def unpack_parts(parts: List[str], folder: str) -> List[str]:
+    """pack_parts' parts (in name order, as split names them) unpacked into ``folder``; the
+    names unpacked. A member outside ``folder`` or no parts is an EvidenceError."""
+    if not parts:
+        raise EvidenceError("unpack-base: no parts given (.nano-base.tgz.aa, ...)")
+    import io  # noqa: PLC0415
+
+    data = b"".join(open(p, "rb").read() for p in sorted(parts))
+    os.makedirs(folder, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        names = tar.getnames()
+        for m in tar.getmembers():
+            if os.path.isabs(m.name) or ".." in m.name.split("/") or not (m.isfile() or m.isdir()):
+                raise EvidenceError(f"unpack-base: member {m.name!r} is not a plain path "
+                                    "under the base folder")
+        tar.extractall(folder)
+    return names
 
 
 def _keep(rel: str) -> bool:
@@ -945,7 +1162,17 @@ def pack(work: str, tarball: Optional[str], summary_path: Optional[str]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="tools/nano_evidence.py", allow_abbrev=False,
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=("check", "run", "pack"))
+    p.add_argument("command", choices=("check", "run", "pack", "pack-base", "unpack-base"))
+    p.add_argument("--parts", nargs="+", default=[],
+                   help="unpack-base: the carried parts (.nano-base.tgz.a*)")
+    p.add_argument("--stage", default="all", choices=("all", "base", "arms"),
+                   help="all (one call), base (prep + the base for the whole call, its short "
+                        "NIAH), arms (the arms from the base unpacked into WORK/base)")
+    p.add_argument("--out", default=None, help="pack-base: the parts' prefix "
+                                               "($OUT/nano-base.tgz.)")
+    p.add_argument("--max-parts", type=int, default=2, help="pack-base: at most (default 2)")
+    p.add_argument("--bf16", action="store_true",
+                   help="pack-base: fp32 weights of the HF folder cast to bf16 first (GPU runs)")
     p.add_argument("--arms", default="superlinear,standard")
     p.add_argument("--work", default=os.path.join("runs", "nano-evidence"))
     p.add_argument("--dry", action="store_true", help="CPU sizes (evidence.yaml's dry block)")
@@ -979,6 +1206,26 @@ def main(argv=None) -> int:
         return 0
     if args.command == "pack":
         print(pack(os.path.abspath(args.work), args.tarball, args.summary))
+        return 0
+    if args.command in ("pack-base", "unpack-base"):
+        base = os.path.join(os.path.abspath(args.work), "base")
+        try:
+            if args.command == "pack-base":
+                if not args.out:
+                    raise EvidenceError("pack-base: --out PREFIX is required")
+                if args.bf16:
+                    print(f"pack-base: {bf16_weights(os.path.join(base, 'hf'))} fp32 "
+                          "tensors cast to bf16")
+                paths = pack_parts(base, args.out, max_parts=args.max_parts)
+                print(f"pack-base: {len(paths)} part(s), "
+                      f"{sum(os.path.getsize(x) for x in paths) / 2 ** 20:.1f} MiB: "
+                      + " ".join(paths))
+            else:
+                names = unpack_parts(args.parts, base)
+                print(f"unpack-base: {len(names)} entries into {base}")
+        except (EvidenceError, OSError, tarfile.TarError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         return 0
     return Run(args, settings, arms).run()
 
