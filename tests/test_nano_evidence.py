@@ -48,6 +48,16 @@ def test_unknown_arm_fails_before_anything_runs(tmp_path, capsys):
     assert "--stage-iters '5,5': allowed three positive integers" in capsys.readouterr().err
 
 
+def _evidence_model_kwargs(settings):
+    """evidence.yaml's model as transformers.NemotronHConfig arguments, and its pattern."""
+    m = dict(settings["model"])
+    pattern = m.pop("pattern")
+    m.pop("seed")
+    m["layers_block_type"] = [ne.SYMBOL_BLOCK[c] for c in pattern]
+    m["vocab_size"] = settings["tokenizer"]["vocab-size"]
+    return m, pattern
+
+
 def test_one_gpu_recipe_files_agree():
     """The stage and base files carry evidence.yaml's model (as the converter reads its
     config.json), the stages chain 4K -> 8K -> 16K through the curriculum's checks, and the
@@ -58,11 +68,7 @@ def test_one_gpu_recipe_files_agree():
     from megatron_subq.convert.api import model_flags
 
     settings = ne.read_settings()
-    m = dict(settings["model"])
-    pattern = m.pop("pattern")
-    m.pop("seed")
-    m["layers_block_type"] = [ne.SYMBOL_BLOCK[c] for c in pattern]
-    m["vocab_size"] = settings["tokenizer"]["vocab-size"]
+    m, pattern = _evidence_model_kwargs(settings)
     cfg = transformers.NemotronHConfig(**m).to_dict()
     cfg["architectures"] = ["NemotronHForCausalLM"]
     flags = {k.replace("_", "-"): v for k, v in model_flags(cfg).items()
@@ -296,16 +302,11 @@ def test_evidence_model_fits_two_parts():
         pytest.skip("NemotronH needs transformers >= 5.3")
     import torch
 
-    settings = ne.read_settings()
-    m = dict(settings["model"])
-    pattern = m.pop("pattern")
-    m.pop("seed")
+    m, pattern = _evidence_model_kwargs(ne.read_settings())
     assert pattern == "MEMEM*EMEM*E"
     assert m["head_dim"] == 128 and m["num_attention_heads"] > m["num_key_value_heads"] > 0
     assert m["moe_shared_expert_intermediate_size"] > 0 and m["n_routed_experts"] > 1
     assert m["mamba_num_heads"] > 0 and m["ssm_state_size"] > 0
-    m["layers_block_type"] = [ne.SYMBOL_BLOCK[c] for c in pattern]
-    m["vocab_size"] = settings["tokenizer"]["vocab-size"]
     assert m["vocab_size"] == 8192
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.NemotronHConfig(**m))
