@@ -464,7 +464,8 @@ def test_sdpa_backend_flag_sets_torch_switches():
         assert {n: getattr(torch.backends.cuda, f"{n}_sdp_enabled")() for n in names} == {
             "cudnn": False, "flash": True, "mem_efficient": False, "math": False}
         arguments.apply_sdpa_backend("auto")
-        assert torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.math_sdp_enabled()
     finally:
         for n, on in before.items():
             getattr(torch.backends.cuda, f"enable_{n}_sdp")(on)

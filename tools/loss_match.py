@@ -26,13 +26,14 @@ Arms (``ARMS``, a comma list; the reference ``unfused`` must be one of them):
   with ``unfused,control,fused-each`` bisects which fusion moves the curve against one reference
   and one control.
 
-They run in that order whatever the order in ARMS (unfused, control-sdpa, control, fused, then the single-fusion
-arms in FUSION_FLAGS order), so the reference and the yardstick exist even when the clock cuts the
-last arms. Every arm has the same seed, data, global batch and schedule (ITERS iterations, WARMUP
-(ITERS/10, at least 1) of linear warm-up, cosine decay over the rest), so the same samples in the
-same order (megatron's sampler walks the dataset in global batches; the split into micro-batches
-does not reorder them). A longer WARMUP than the 1.3B recipe's 5 iterations of a 50-iteration run
-matters: that warm-up is unstable (grad norm up to 258), which amplifies rounding differences.
+They run in that order whatever the order in ARMS (unfused, control-sdpa, control, fused, then the
+single-fusion arms in FUSION_FLAGS order), so the reference and the yardsticks exist even when the
+clock cuts the last arms. Every arm has the same seed, data, global batch and schedule (ITERS
+iterations, WARMUP (ITERS/10, at least 1) of linear warm-up, cosine decay over the rest), so the
+same samples in the same order (megatron's sampler walks the dataset in global batches; the split
+into micro-batches does not reorder them). A longer WARMUP than the 1.3B recipe's 5 iterations of
+a 50-iteration run matters: that warm-up is unstable (grad norm up to 258), which amplifies
+rounding differences.
 
 The comparison (``compare``) reads each arm's metrics file (``WORK/ARM.jsonl``: the trainer's
 ``--metrics-file``, one line per iteration with ``lm_loss``; a later line of an iteration wins)
@@ -243,7 +244,8 @@ def describe(arm: str, fused_flags=FUSION_FLAGS) -> str:
     if arm == REFERENCE:
         return "the recipe's default local path"
     if arm == "control":
-        return "unfused at micro-batch CONTROL_MB (same global batch): an fp32-summation-order yardstick"
+        return ("unfused at micro-batch CONTROL_MB (same global batch): an fp32-summation-order "
+                "yardstick")
     if arm == SDPA_CONTROL:
         return (f"unfused with --subq-sdpa-backend {SDPA_CONTROL_BACKEND} (the same attention "
                 "math through another kernel): the bf16-rounding yardstick")

@@ -388,10 +388,8 @@ class Run:
                  "iterations in the STAGE=base call)")
         self._start_data(self.data_jobs)
         if not self.dry:  # the arms' kernels compile during the data preparation, in turn
-            variants = ["standard"] + sorted({self.s["arms"][a]["attention-variant"]
-                                              for a in self.arms} - {"standard"})
             cmds = [shlex.join([PY, "examples/pretrain_hybrid.py", "--config",
-                                self._warm_config(v)]) for v in variants]
+                                self._warm_config(v)]) for v in self.variants()]
             self.warm_jobs = [self.job("warm-arms", ["bash", "-c", "; ".join(cmds)])]
         self.step("prep (the carried base)", start, "ok")
         return self.data_jobs
@@ -463,6 +461,12 @@ class Run:
     # keys of base.yaml a warm-up run drops: it trains on mock data and keeps nothing
     WARM_DROP = ("data-path", "load", "finetune", "save", "metrics-file", "save-interval",
                  "exit-signal-handler", "split", "num-workers", "exit-duration-in-mins")
+
+    def variants(self) -> List[str]:
+        """The attention variants the run compiles: 'standard' (the base's) first, then every
+        other arm's, sorted."""
+        return ["standard"] + sorted({self.s["arms"][a]["attention-variant"]
+                                      for a in self.arms} - {"standard"})
 
     def warm_up(self, variant: str) -> Optional[Job]:
         """Triton's compiles of ``variant``'s model, ahead of the runs that need them: the
@@ -553,8 +557,7 @@ class Run:
         train = self.job("base-train", [PY, "examples/pretrain_hybrid.py", "--config", path],
                          os.path.join(self.base, "train.log"))
         # the other arms' kernels compile meanwhile (one sequence: a little GPU time)
-        variants = {self.s["arms"][a]["attention-variant"] for a in self.arms} - {"standard"}
-        self.warm_jobs = [j for j in map(self.warm_up, sorted(variants)) if j is not None]
+        self.warm_jobs = [j for j in map(self.warm_up, self.variants()[1:]) if j is not None]
         wait_all([train], until, 30, self.log)
         if saved_iteration(os.path.join(self.base, "train")) is None:
             raise RuntimeError(f"base training wrote no checkpoint (exit {train.rc}; log "
@@ -783,8 +786,7 @@ class Run:
         evidence call (tools/gpu_nano_evidence.sh WARM_ONLY=1): that call's steps then start
         without ~100 s of compiles each. 0 when every warm-up exited 0."""
         start = time.time()
-        variants = ["standard"] + sorted({self.s["arms"][a]["attention-variant"]
-                                          for a in self.arms} - {"standard"})
+        variants = self.variants()
         rcs = []
         for v in variants:
             job = self.warm_up(v)
@@ -793,7 +795,8 @@ class Run:
             self.warm_jobs.append(job)
             wait_all([job], self.deadline, 5, self.log)
             rcs.append(job.poll())
-            self.log(f"warm-up {v}: exit {job.rc}{' (' + job.stopped + ')' if job.stopped else ''}")
+            stopped = f" ({job.stopped})" if job.stopped else ""
+            self.log(f"warm-up {v}: exit {job.rc}{stopped}")
         self.step("compile warm-ups only (" + ", ".join(variants) + ")", start,
                   "ok" if all(rc == 0 for rc in rcs) else f"exits {rcs}")
         return 0 if all(rc == 0 for rc in rcs) else 1

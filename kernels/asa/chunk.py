@@ -228,8 +228,8 @@ def asa_fwd_out_kernel(
     """grid (NT · BT/RB, cdiv(Dv, BV), B*H): the output of one block of RB rows of a chunk
     (RB = BT: the whole chunk; cfg out_rows), meeting the chunk's keys up to its own block in
     RB × RB tiles. NORM: 0 linear, 1 none, 2 mean.
-    o: [B, T, H, DV], memory [T, B, H, DV] when TMAJOR (``_token_rows``); den: [B, H, T] fp32 (linear: q'·z_i; mean: i+1, i counted from
-    the start of the token's sequence)."""
+    o: [B, T, H, DV], memory [T, B, H, DV] when TMAJOR (``_token_rows``); den: [B, H, T] fp32
+    (linear: q'·z_i; mean: i+1, i counted from the start of the token's sequence)."""
     pid, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     NB: tl.constexpr = BT // RB
     c, own = pid // NB, pid % NB
@@ -403,7 +403,8 @@ def asa_bwd_states_kernel(
 def asa_bwd_r_kernel(do_ptr, o_ptr, den_ptr, r_ptr, T, H, DV,
                      BT: tl.constexpr, BV: tl.constexpr, B=1, TMAJOR: tl.constexpr = False):
     """grid (cdiv(T, BT), B*H): the linear normalisation's r = −(dO·o)/den per token.
-    dO, o: [B, T, H, DV] in one layout (``_token_rows``; read once, in their own dtype); den, r: [B, H, T] fp32."""
+    dO, o: [B, T, H, DV] in one layout (``_token_rows``; read once, in their own dtype); den, r:
+    [B, H, T] fp32."""
     pid_t, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_t * BT + tl.arange(0, BT)
@@ -484,9 +485,9 @@ def asa_bwd_block_kernel(
       linear or ``DZ`` (the final state's z has a gradient, which reaches every k').
 
     dO, dx and dv are laid out as o (``_token_rows``: TMAJOR, the memory of Megatron's
-    ``[s, b, h, d]``); dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV columns; with
-    NV = 1 the key side reads each query block once for both dA and dv, otherwise dv takes a
-    pass of its own per Dv block.
+    ``[s, b, h, d]``); dℓ (``dl``, ``[B, T, H, M]``) is kept for dP. Dv runs in NV blocks of BV
+    columns; with NV = 1 the key side reads each query block once for both dA and dv, otherwise
+    dv takes a pass of its own per Dv block.
 
     Why blocks of a chunk: a whole 128-token chunk per program holds [128, ·] fp32 accumulators
     that spill registers (``tools/kernel_spills.py``); 64-row blocks at 4 warps spill far less
@@ -575,8 +576,9 @@ def asa_bwd_block_kernel(
                     if NORM != 1:
                         den_q = tl.load(den_ptr + pid_bh * T + i0 + tl.arange(0, RB),
                                         mask=q_mask, other=1.0)
-                    g = _scaled_grad(do_ptr, _token_rows(b, i0 + tl.arange(0, RB), h, B, T, H, TMAJOR), q_mask,
-                                     den_q, v_cols, DV, q_ptr, NORM)
+                    g = _scaled_grad(do_ptr,
+                                     _token_rows(b, i0 + tl.arange(0, RB), h, B, T, H, TMAJOR),
+                                     q_mask, den_q, v_cols, DV, q_ptr, NORM)
                     dv += tl.dot(A_t, g, input_precision=PREC)
                 tl.store(dv_ptr + o_rows[:, None] * DV + v_cols[None, :],
                          dv.to(dv_ptr.dtype.element_ty),
@@ -597,8 +599,8 @@ def asa_bwd_block_kernel(
                 dA_t += tl.load(r_ptr + pid_bh * T + q_rows, mask=q_mask, other=0.0)[None, :]
             for vb in tl.static_range(NV):
                 v_cols = vb * BV + tl.arange(0, BV)
-                g = _scaled_grad(do_ptr, _token_rows(b, q_rows, h, B, T, H, TMAJOR), q_mask, den_q, v_cols, DV,
-                                 q_ptr, NORM)
+                g = _scaled_grad(do_ptr, _token_rows(b, q_rows, h, B, T, H, TMAJOR), q_mask, den_q,
+                                 v_cols, DV, q_ptr, NORM)
                 if NV > 1:  # else vc is still the one block's, from the states' term
                     vc = _load_rows(v_base, r0, t_stop, svt, v_cols, DV, RB).to(dt)
                 dA_t += tl.dot(vc, tl.trans(g), input_precision=PREC)

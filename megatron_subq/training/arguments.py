@@ -47,6 +47,7 @@ MOE_DISPATCHERS = ("allgather", "alltoall", "flex")
 # --subq-sdpa-backend: torch.backends.cuda.enable_<name>_sdp for each name after "auto"
 SDPA_BACKENDS = ("auto", "cudnn", "flash", "mem_efficient", "math")
 
+
 def _bool_flag(group, name: str, default: bool, help: str) -> None:
     group.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=help)
 
