@@ -640,14 +640,17 @@ def test_gpu_verified_sizes():
     ok = KERNEL.kernel_supports
     assert ok(128, 64, 128) and ok(64, 32, 64) and ok(100, 50, 100)
     assert ok(256, 64, 256) and ok(256, 32, 256) and ok(128, 256, 128)
-    # the D tiling (cfg BDT): up to 512 with m <= 128 (GPU tests pending, see kernel_supports)
+    # the D tiling (cfg BDT): up to 512 with m <= 128 (GPU-tested on an H200, 2026-11-27)
     assert ok(256, 128, 256) and ok(512, 64, 512) and ok(512, 128, 512) and ok(512, 64, 128)
     assert not ok(512, 256, 512) and not ok(256, 256, 256) and not ok(1024, 64, 1024)
     assert not ok(32, 16, 32)
-    # impl=None picks the kernel on CUDA only where the GPU tests ran (2026-11-22)
+    # impl=None picks the kernel on CUDA only where the GPU tests ran (d_h 256/512: 2026-11-27)
     verified = KERNEL.kernel_verified
     assert verified(128, 64, 128) and verified(256, 64, 256) and verified(128, 256, 128)
-    assert not verified(256, 128, 256) and not verified(512, 64, 512)
+    assert verified(256, 128, 256) and verified(512, 64, 512) and verified(512, 128, 512)
+    assert verified(512, 64, 128) and verified(256, 32, 256)
+    assert not verified(512, 32, 512) and not verified(512, 256, 512)
+    assert not verified(1024, 64, 1024) and not verified(32, 16, 32)
 
 
 

@@ -177,11 +177,10 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
 def kernel_verified(D: int, m: int, Dv: int) -> bool:
     """Whether the GPU tests have verified the compiled kernels at these sizes: what
     ``ops.asa_attention(impl=None)`` picks the kernel for on CUDA (elsewhere the reference runs).
-    D and Dv padded to 64, 128 or 256 and m up to 256, except d_h or d_v of 256 with m > 64
-    (H100, 2026-11-22). ``kernel_supports`` is wider: what ``impl="kernel"`` accepts."""
-    wide = max(_pow2(D), _pow2(Dv)) == 256
-    return (_pow2(D) in (64, 128, 256) and _pow2(Dv) in (64, 128, 256)
-            and _pow2(m) in (32, 64, 128, 256) and not (wide and _pow2(m) > 64))
+    Everything ``kernel_supports`` allows except d_h or d_v of 512 with m <= 32 (no GPU test at
+    that size). d_h 256/512 verified on an H200 on 2026-11-27: forward and every gradient
+    (fp32/fp16/bf16), packed sequences (fp32/bf16) and prefill + decode, m 64 and 128."""
+    return kernel_supports(D, m, Dv) and not (max(_pow2(D), _pow2(Dv)) == 512 and _pow2(m) < 64)
 
 
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
@@ -190,14 +189,12 @@ def kernel_supports(D: int, m: int, Dv: int) -> bool:
     Verified by the GPU tests (tests/test_asa_kernel.py, H100, 2026-11-22): D and Dv padded to
     64, 128 or 256 and m up to 256 (the feature tile padded to at least 64, see
     ``launch_config``) with D, Dv <= 128 (d_h 128 with m 256), and d_h 256 with m <= 64.
-    Allowed since the D tiling (launch field ``BDT``): D and Dv padded up to 512 with m <= 128
-    (the paper's ASA 1.3B head: d_h = 512). D or Dv of 512, and 256 with m = 128, are verified
-    in the interpreter only (CPU, tests with BDT < BD; compiled, d_h 512 runs BDT = 128, d_h
-    <= 256 the untiled kernels) until the ``gpu``-marked tests at d_h in {256, 512}
-    (``test_kernel_d256_d512_gpu`` and the packed / prefill ones beside it) have run: until
-    then ``impl=None`` keeps the reference for them (``kernel_verified``) and ``impl="kernel"``
-    (``--subq-impl kernel``) runs them. Other sizes are refused on CUDA. The interpreter (CPU)
-    runs every size.
+    Since the D tiling (launch field ``BDT``): D and Dv padded up to 512 with m <= 128 (the
+    paper's ASA 1.3B head: d_h = 512; compiled, d_h 512 runs BDT = 128, d_h <= 256 the untiled
+    kernels), verified by the ``gpu``-marked tests at d_h 256 and 512 on an H200 (2026-11-27:
+    ``test_kernel_d256_d512_gpu``, the packed and prefill / decode tests beside it), except
+    m = 32 at 512 (``kernel_verified``: ``impl=None`` keeps the reference there). Other sizes
+    are refused on CUDA. The interpreter (CPU) runs every size.
     """
     pD, pDv, pm = _pow2(D), _pow2(Dv), _pow2(m)
     if pD not in (64, 128, 256, 512) or pDv not in (64, 128, 256, 512):
