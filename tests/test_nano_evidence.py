@@ -217,12 +217,13 @@ def test_warm_only_runs_each_variant_once_in_turn(tmp_path, exits, want):
 # two device calls: STAGE=base, then STAGE=arms with the base carried as .nano-base.tgz.a*
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage, err", [
-    ("dense", "STAGE=dense: allowed base, arms"),
+    ("dense", "STAGE=dense: allowed base, base-more, arms"),
     ("arms", "STAGE=arms needs the base's parts .nano-base.tgz.aa"),
+    ("base-more", "STAGE=base-more needs the base's parts .nano-base.tgz.aa"),
 ])
 def test_bad_stage_fails_before_anything_runs(tmp_path, stage, err):
-    """An unknown STAGE, or STAGE=arms without the carried parts in the repo root, stops the
-    script with exit 2 naming the variable, before WORK or OUT exist."""
+    """An unknown STAGE, or STAGE=arms or base-more without the carried parts in the repo root,
+    stops the script with exit 2 naming the variable, before WORK or OUT exist."""
     if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
         pytest.skip("carried parts in the repo root (a two-call run in progress)")
     p = _script(tmp_path, STAGE=stage)
@@ -291,6 +292,46 @@ def test_base_parts_round_trip(tmp_path):
         ne.unpack_parts([], str(dest))
     with pytest.raises(ne.EvidenceError, match="no exported HF folder"):
         ne.pack_parts(str(tmp_path / "dest" / "import"), str(tmp_path / "x."))
+
+
+def test_base_rounds_count_across_calls(tmp_path):
+    """base.json's rounds: a base.json without them (the GPU base of 2026-11-27) is round 1
+    with its done iterations; a base-more call after it trains round 2 on NIAH seed + 1 and
+    counts the cumulative iterations and tokens of both; the labels say so."""
+    import argparse
+
+    old = {"planned": 1060, "tokens_per_iter": 65536, "seq": 4096, "budget_s": 313,
+           "done": 895, "rate": 211240.1}
+    assert ne.base_rounds(old) == {"round": 1, "cumulative_iters": 895,
+                                   "cumulative_tokens": 895 * 65536, "stage": "base"}
+    assert ne.rounds_label(old) == "round 1, cumulative 895 iterations / 58.65M tokens"
+    settings = ne.read_settings()
+    seed = settings["base"]["niah"]["seed"]
+    args = argparse.Namespace(work=str(tmp_path / "work"), t0=None, deadline=None,
+                              stage="base-more")
+    run = ne.Run(args, dict(settings, dry=False), ["superlinear", "standard"])
+    assert run.base_src == run.tok == str(tmp_path / "work" / "carried" / "hf")
+    (tmp_path / "work" / "carried" / "hf").mkdir(parents=True)
+    (tmp_path / "work" / "carried" / "hf" / "config.json").write_text("{}")
+    (tmp_path / "work" / "carried" / "base.json").write_text(json.dumps({"base": old}))
+    run._start_data = lambda jobs: None
+    run._prep_more()
+    assert run.round == 2 and run.niah_base_seed() == seed + 1
+    new = {**old, "done": 900, **run._rounds(900, 65536)}
+    assert new["round"] == 2 and new["stage"] == "base-more" and new["niah_seed"] == seed + 1
+    assert new["cumulative_iters"] == 1795 and new["cumulative_tokens"] == 1795 * 65536
+    assert [(r["round"], r["iterations"], r["niah_seed"]) for r in new["rounds"]] == [
+        (1, 895, None), (2, 900, seed + 1)]
+    assert ne.rounds_label(new) == "round 2, cumulative 1,795 iterations / 117.64M tokens"
+    # STAGE=base (and one call) keep evidence.yaml's seed: round 1
+    first = ne.Run(argparse.Namespace(work=str(tmp_path / "w1"), t0=None, deadline=None,
+                                      stage="base"), dict(settings, dry=False), ["standard"])
+    assert first.round == 1 and first.niah_base_seed() == seed
+    assert first._rounds(895, 65536)["cumulative_iters"] == 895
+    # no carried folder: a clear error
+    (tmp_path / "work" / "carried" / "hf" / "config.json").unlink()
+    with pytest.raises(ne.EvidenceError, match="STAGE=base-more: no carried base"):
+        run._prep_more()
 
 
 def test_evidence_model_fits_two_parts():
