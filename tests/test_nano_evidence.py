@@ -4,7 +4,8 @@ model they describe and pass the curriculum's checks; and (-m slow, ~3-4 minutes
 whole pipeline in its CPU dry mode: two arms, NIAH before and after each, tokens/s per stage,
 one tarball and one summary. The two-call form: STAGE checks (exit 2 before anything is
 written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~2
-minutes) STAGE=base chained into the arms call through the carried parts."""
+minutes) STAGE=base chained into a STAGE=base-more call and the arms call through the
+carried parts."""
 
 import json
 import os
@@ -359,12 +360,28 @@ def test_evidence_model_fits_two_parts():
     assert f"{params:,} parameters" in text
 
 
+def _carry(out, copied):
+    """The parts of a call's $OUT copied into the repo root as .nano-base.tgz.a* (over those of
+    the call before: removed first), their paths appended to ``copied``."""
+    for f in copied:
+        if os.path.exists(f):
+            os.remove(f)
+    del copied[:]
+    for f in sorted(os.listdir(out)):
+        if f.startswith("nano-base.tgz.a"):
+            copied.append(os.path.join(ROOT, "." + f))
+            subprocess.run(["cp", str(out / f), copied[-1]], check=True)
+
+
 @pytest.mark.slow
 def test_dry_two_calls_chain(tmp_path):
-    """STAGE=base then STAGE=arms in the CPU dry mode: call A leaves the base's parts (and no
-    arm), its summary says whether the base retrieves; with the parts copied into the repo root
-    as .nano-base.tgz.a*, call B (a fresh WORK) imports both arms from the carried base without
-    training a base, and its summary has before/after rows per arm."""
+    """STAGE=base, then STAGE=base-more, then STAGE=arms in the CPU dry mode: call A leaves the
+    base's parts (and no arm), its summary says whether the base retrieves; with the parts
+    copied into the repo root as .nano-base.tgz.a*, call M (a fresh WORK) trains the carried
+    base one more round (no random model, no tokenizer; its NIAH data of another seed) and
+    leaves new parts whose base.json says round 2 and the iterations of both rounds; with those
+    copied over A's, call B imports both arms from the round-2 base without training a base,
+    and its summary has before/after rows per arm."""
     if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
         pytest.skip("carried parts in the repo root already")
     a = _script(tmp_path / "a", CALL_LIMIT="1700", STAGE="base")
@@ -375,25 +392,59 @@ def test_dry_two_calls_chain(tmp_path):
     text_a = (out_a / "nano-evidence.md").read_text()
     assert "STAGE=base" in text_a and "The base's NIAH at short lengths" in text_a
     assert not (tmp_path / "a" / "work" / "arms").exists()
+    meta_a = json.load(open(tmp_path / "a" / "work" / "base" / "base.json"))["base"]
+    seed = ne.read_settings(dry=True)["base"]["niah"]["seed"]
+    assert meta_a["round"] == 1 and meta_a["niah_seed"] == seed and meta_a["stage"] == "base"
+    assert meta_a["cumulative_iters"] == meta_a["done"] > 0
     copied = []
     try:
-        for f in sorted(os.listdir(out_a)):
-            if f.startswith("nano-base.tgz.a"):
-                copied.append(os.path.join(ROOT, "." + f))
-                subprocess.run(["cp", str(out_a / f), copied[-1]], check=True)
+        _carry(out_a, copied)
+        m = _script(tmp_path / "m", CALL_LIMIT="1700", STAGE="base-more")
+        assert m.returncode == 0, m.stdout[-4000:] + m.stderr[-4000:]
+        out_m = tmp_path / "m" / "out"
+        _carry(out_m, copied)
         b = _script(tmp_path / "b", CALL_LIMIT="1700")  # no STAGE: the parts mean arms
     finally:
         for f in copied:
             os.remove(f)
+    # call M: the carried base trained further, packed again
+    assert sorted(os.listdir(out_m)) == ["nano-base.tgz.aa", "nano-evidence.md",
+                                        "nano-evidence.tgz"]
+    work_m = tmp_path / "m" / "work"
+    assert not (work_m / "hf-random").exists()  # no random model, no tokenizer training
+    assert (work_m / "carried" / "hf" / "config.json").is_file()
+    imp_log = (work_m / "logs" / "base-import.log").read_text()
+    assert f"--hf {work_m / 'carried' / 'hf'}" in imp_log
+    assert yaml.safe_load(open(work_m / "base" / "base.yaml"))["tokenizer-model"] == str(
+        work_m / "carried" / "hf")
+    meta_m = json.load(open(work_m / "base" / "base.json"))["base"]
+    assert meta_m["round"] == 2 and meta_m["stage"] == "base-more"
+    assert meta_m["niah_seed"] == seed + 1 != meta_a["niah_seed"]
+    assert f"--seed {seed + 1} " in (work_m / "logs" / "prep-niah-base.log").read_text()
+    assert meta_m["cumulative_iters"] == meta_a["done"] + meta_m["done"]
+    assert meta_m["cumulative_tokens"] == (meta_a["done"] + meta_m["done"]) * meta_m[
+        "tokens_per_iter"]
+    assert [r["round"] for r in meta_m["rounds"]] == [1, 2]
+    text_m = (out_m / "nano-evidence.md").read_text()
+    label = (f"round 2, cumulative {meta_m['cumulative_iters']:,} iterations / "
+             f"{ne._count(meta_m['cumulative_tokens'])} tokens")
+    assert "STAGE=base-more" in text_m and label in text_m
+    assert f"The base's NIAH at short lengths (end of the STAGE=base-more call: {label})" \
+        in text_m
+    timings_m = json.load(open(work_m / "timings.json"))
+    assert [t["step"].split(":")[0] for t in timings_m["timings"]] == [
+        "prep (the carried base, round 2)", "base", "base", "base"]
+    # call B: the arms from the round-2 base
     assert b.returncode == 0, b.stdout[-4000:] + b.stderr[-4000:]
     assert "STAGE=arms: the carried base's parts" in b.stdout
     work_b = tmp_path / "b" / "work"
     assert (work_b / "base" / "hf" / "config.json").is_file()
+    assert json.load(open(work_b / "base" / "base.json"))["base"] == meta_m
     assert not (work_b / "hf-random").exists()  # no random model, no base import or training
     assert not (work_b / "logs" / "base-import.log").exists()
     assert not [d for d in os.listdir(work_b / "base" / "train") if d.startswith("iter_")]
     text_b = (tmp_path / "b" / "out" / "nano-evidence.md").read_text()
-    assert "STAGE=arms" in text_b and "(STAGE=base call, carried)" in text_b
+    assert "STAGE=arms" in text_b and f"(STAGE=base-more call, carried); {label}" in text_b
     for arm in ("superlinear", "standard"):
         assert f"| {arm} | before | import (0) |" in text_b
         assert f"| {arm} | after | stage3 (2) |" in text_b
