@@ -3,7 +3,7 @@ arm names stop the script before anything is written; the one-GPU recipe files a
 model they describe and pass the curriculum's checks; and (-m slow, ~3-4 minutes on 2 cores) the
 whole pipeline in its CPU dry mode: two arms, NIAH before and after each, tokens/s per stage,
 one tarball and one summary. The two-call form: STAGE checks (exit 2 before anything is
-written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~2
+written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~3
 minutes) STAGE=base chained into a STAGE=base-more call and the arms call through the
 carried parts."""
 
