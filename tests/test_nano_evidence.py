@@ -3,8 +3,9 @@ arm names stop the script before anything is written; the one-GPU recipe files a
 model they describe and pass the curriculum's checks; and (-m slow, ~3-4 minutes on 2 cores) the
 whole pipeline in its CPU dry mode: two arms, NIAH before and after each, tokens/s per stage,
 one tarball and one summary. The two-call form: STAGE checks (exit 2 before anything is
-written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~2
-minutes) STAGE=base chained into the arms call through the carried parts."""
+written), the base's parts round trip, the evidence model's size bound, and (-m slow, ~3
+minutes) STAGE=base chained into a STAGE=base-more call and the arms call through the
+carried parts."""
 
 import json
 import os
@@ -217,12 +218,13 @@ def test_warm_only_runs_each_variant_once_in_turn(tmp_path, exits, want):
 # two device calls: STAGE=base, then STAGE=arms with the base carried as .nano-base.tgz.a*
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("stage, err", [
-    ("dense", "STAGE=dense: allowed base, arms"),
+    ("dense", "STAGE=dense: allowed base, base-more, arms"),
     ("arms", "STAGE=arms needs the base's parts .nano-base.tgz.aa"),
+    ("base-more", "STAGE=base-more needs the base's parts .nano-base.tgz.aa"),
 ])
 def test_bad_stage_fails_before_anything_runs(tmp_path, stage, err):
-    """An unknown STAGE, or STAGE=arms without the carried parts in the repo root, stops the
-    script with exit 2 naming the variable, before WORK or OUT exist."""
+    """An unknown STAGE, or STAGE=arms or base-more without the carried parts in the repo root,
+    stops the script with exit 2 naming the variable, before WORK or OUT exist."""
     if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
         pytest.skip("carried parts in the repo root (a two-call run in progress)")
     p = _script(tmp_path, STAGE=stage)
@@ -293,6 +295,46 @@ def test_base_parts_round_trip(tmp_path):
         ne.pack_parts(str(tmp_path / "dest" / "import"), str(tmp_path / "x."))
 
 
+def test_base_rounds_count_across_calls(tmp_path):
+    """base.json's rounds: a base.json without them (the GPU base of 2026-11-27) is round 1
+    with its done iterations; a base-more call after it trains round 2 on NIAH seed + 1 and
+    counts the cumulative iterations and tokens of both; the labels say so."""
+    import argparse
+
+    old = {"planned": 1060, "tokens_per_iter": 65536, "seq": 4096, "budget_s": 313,
+           "done": 895, "rate": 211240.1}
+    assert ne.base_rounds(old) == {"round": 1, "cumulative_iters": 895,
+                                   "cumulative_tokens": 895 * 65536, "stage": "base"}
+    assert ne.rounds_label(old) == "round 1, cumulative 895 iterations / 58.65M tokens"
+    settings = ne.read_settings()
+    seed = settings["base"]["niah"]["seed"]
+    args = argparse.Namespace(work=str(tmp_path / "work"), t0=None, deadline=None,
+                              stage="base-more")
+    run = ne.Run(args, dict(settings, dry=False), ["superlinear", "standard"])
+    assert run.base_src == run.tok == str(tmp_path / "work" / "carried" / "hf")
+    (tmp_path / "work" / "carried" / "hf").mkdir(parents=True)
+    (tmp_path / "work" / "carried" / "hf" / "config.json").write_text("{}")
+    (tmp_path / "work" / "carried" / "base.json").write_text(json.dumps({"base": old}))
+    run._start_data = lambda jobs: None
+    run._prep_more()
+    assert run.round == 2 and run.niah_base_seed() == seed + 1
+    new = {**old, "done": 900, **run._rounds(900, 65536)}
+    assert new["round"] == 2 and new["stage"] == "base-more" and new["niah_seed"] == seed + 1
+    assert new["cumulative_iters"] == 1795 and new["cumulative_tokens"] == 1795 * 65536
+    assert [(r["round"], r["iterations"], r["niah_seed"]) for r in new["rounds"]] == [
+        (1, 895, None), (2, 900, seed + 1)]
+    assert ne.rounds_label(new) == "round 2, cumulative 1,795 iterations / 117.64M tokens"
+    # STAGE=base (and one call) keep evidence.yaml's seed: round 1
+    first = ne.Run(argparse.Namespace(work=str(tmp_path / "w1"), t0=None, deadline=None,
+                                      stage="base"), dict(settings, dry=False), ["standard"])
+    assert first.round == 1 and first.niah_base_seed() == seed
+    assert first._rounds(895, 65536)["cumulative_iters"] == 895
+    # no carried folder: a clear error
+    (tmp_path / "work" / "carried" / "hf" / "config.json").unlink()
+    with pytest.raises(ne.EvidenceError, match="STAGE=base-more: no carried base"):
+        run._prep_more()
+
+
 def test_evidence_model_fits_two_parts():
     """evidence.yaml's model (with the 8,192-token tokenizer) stays <= 13.5M parameters, so
     its bf16 weights (+ tokenizer) fit 2 parts of 15 MiB even uncompressed, and it keeps Nano's
@@ -318,12 +360,28 @@ def test_evidence_model_fits_two_parts():
     assert f"{params:,} parameters" in text
 
 
+def _carry(out, copied):
+    """The parts of a call's $OUT copied into the repo root as .nano-base.tgz.a* (over those of
+    the call before: removed first), their paths appended to ``copied``."""
+    for f in copied:
+        if os.path.exists(f):
+            os.remove(f)
+    del copied[:]
+    for f in sorted(os.listdir(out)):
+        if f.startswith("nano-base.tgz.a"):
+            copied.append(os.path.join(ROOT, "." + f))
+            subprocess.run(["cp", str(out / f), copied[-1]], check=True)
+
+
 @pytest.mark.slow
 def test_dry_two_calls_chain(tmp_path):
-    """STAGE=base then STAGE=arms in the CPU dry mode: call A leaves the base's parts (and no
-    arm), its summary says whether the base retrieves; with the parts copied into the repo root
-    as .nano-base.tgz.a*, call B (a fresh WORK) imports both arms from the carried base without
-    training a base, and its summary has before/after rows per arm."""
+    """STAGE=base, then STAGE=base-more, then STAGE=arms in the CPU dry mode: call A leaves the
+    base's parts (and no arm), its summary says whether the base retrieves; with the parts
+    copied into the repo root as .nano-base.tgz.a*, call M (a fresh WORK) trains the carried
+    base one more round (no random model, no tokenizer; its NIAH data of another seed) and
+    leaves new parts whose base.json says round 2 and the iterations of both rounds; with those
+    copied over A's, call B imports both arms from the round-2 base without training a base,
+    and its summary has before/after rows per arm."""
     if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
         pytest.skip("carried parts in the repo root already")
     a = _script(tmp_path / "a", CALL_LIMIT="1700", STAGE="base")
@@ -334,25 +392,59 @@ def test_dry_two_calls_chain(tmp_path):
     text_a = (out_a / "nano-evidence.md").read_text()
     assert "STAGE=base" in text_a and "The base's NIAH at short lengths" in text_a
     assert not (tmp_path / "a" / "work" / "arms").exists()
+    meta_a = json.load(open(tmp_path / "a" / "work" / "base" / "base.json"))["base"]
+    seed = ne.read_settings(dry=True)["base"]["niah"]["seed"]
+    assert meta_a["round"] == 1 and meta_a["niah_seed"] == seed and meta_a["stage"] == "base"
+    assert meta_a["cumulative_iters"] == meta_a["done"] > 0
     copied = []
     try:
-        for f in sorted(os.listdir(out_a)):
-            if f.startswith("nano-base.tgz.a"):
-                copied.append(os.path.join(ROOT, "." + f))
-                subprocess.run(["cp", str(out_a / f), copied[-1]], check=True)
+        _carry(out_a, copied)
+        m = _script(tmp_path / "m", CALL_LIMIT="1700", STAGE="base-more")
+        assert m.returncode == 0, m.stdout[-4000:] + m.stderr[-4000:]
+        out_m = tmp_path / "m" / "out"
+        _carry(out_m, copied)
         b = _script(tmp_path / "b", CALL_LIMIT="1700")  # no STAGE: the parts mean arms
     finally:
         for f in copied:
             os.remove(f)
+    # call M: the carried base trained further, packed again
+    assert sorted(os.listdir(out_m)) == ["nano-base.tgz.aa", "nano-evidence.md",
+                                        "nano-evidence.tgz"]
+    work_m = tmp_path / "m" / "work"
+    assert not (work_m / "hf-random").exists()  # no random model, no tokenizer training
+    assert (work_m / "carried" / "hf" / "config.json").is_file()
+    imp_log = (work_m / "logs" / "base-import.log").read_text()
+    assert f"--hf {work_m / 'carried' / 'hf'}" in imp_log
+    assert yaml.safe_load(open(work_m / "base" / "base.yaml"))["tokenizer-model"] == str(
+        work_m / "carried" / "hf")
+    meta_m = json.load(open(work_m / "base" / "base.json"))["base"]
+    assert meta_m["round"] == 2 and meta_m["stage"] == "base-more"
+    assert meta_m["niah_seed"] == seed + 1 != meta_a["niah_seed"]
+    assert f"--seed {seed + 1} " in (work_m / "logs" / "prep-niah-base.log").read_text()
+    assert meta_m["cumulative_iters"] == meta_a["done"] + meta_m["done"]
+    assert meta_m["cumulative_tokens"] == (meta_a["done"] + meta_m["done"]) * meta_m[
+        "tokens_per_iter"]
+    assert [r["round"] for r in meta_m["rounds"]] == [1, 2]
+    text_m = (out_m / "nano-evidence.md").read_text()
+    label = (f"round 2, cumulative {meta_m['cumulative_iters']:,} iterations / "
+             f"{ne._count(meta_m['cumulative_tokens'])} tokens")
+    assert "STAGE=base-more" in text_m and label in text_m
+    assert f"The base's NIAH at short lengths (end of the STAGE=base-more call: {label})" \
+        in text_m
+    timings_m = json.load(open(work_m / "timings.json"))
+    assert [t["step"].split(":")[0] for t in timings_m["timings"]] == [
+        "prep (the carried base, round 2)", "base", "base", "base"]
+    # call B: the arms from the round-2 base
     assert b.returncode == 0, b.stdout[-4000:] + b.stderr[-4000:]
     assert "STAGE=arms: the carried base's parts" in b.stdout
     work_b = tmp_path / "b" / "work"
     assert (work_b / "base" / "hf" / "config.json").is_file()
+    assert json.load(open(work_b / "base" / "base.json"))["base"] == meta_m
     assert not (work_b / "hf-random").exists()  # no random model, no base import or training
     assert not (work_b / "logs" / "base-import.log").exists()
     assert not [d for d in os.listdir(work_b / "base" / "train") if d.startswith("iter_")]
     text_b = (tmp_path / "b" / "out" / "nano-evidence.md").read_text()
-    assert "STAGE=arms" in text_b and "(STAGE=base call, carried)" in text_b
+    assert "STAGE=arms" in text_b and f"(STAGE=base-more call, carried); {label}" in text_b
     for arm in ("superlinear", "standard"):
         assert f"| {arm} | before | import (0) |" in text_b
         assert f"| {arm} | after | stage3 (2) |" in text_b

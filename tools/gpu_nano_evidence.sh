@@ -37,8 +37,19 @@
 #   the parts unpacked into WORK/base, no random model and no base training: the arms import
 #   WORK/base/hf and get the whole call (stages sized from the base's measured tokens/s, NIAH
 #   before and after). Without STAGE, present .nano-base.tgz.a* mean STAGE=arms; absent, the
-#   one-call pipeline above. STAGE other than base/arms, or STAGE=arms without parts: exit 2
-#   before anything is written. Remove the parts afterwards: rm .nano-base.tgz.a*
+#   one-call pipeline above. STAGE other than base/base-more/arms, or STAGE=arms or base-more
+#   without parts: exit 2 before anything is written. Remove the parts afterwards:
+#   rm .nano-base.tgz.a*
+# MORE base training between A and B (the base of 2026-11-27 did not retrieve after one call,
+# 58.65M tokens): any number of calls with B's carry but STAGE=base-more, each followed by its
+# parts copied over the old ones (rm first: a stale .ab would corrupt a 1-part base):
+#     export CALL_T0=$(date +%s); source .whl/setup.sh && STAGE=base-more bash tools/gpu_nano_evidence.sh
+#     rm -f .nano-base.tgz.a*; for f in <files_at>/nano-base.tgz.a*; do cp "$f" ".${f##*/}"; done
+#   the parts unpacked into WORK/carried; no random model, no tokenizer training: the carried
+#   HF folder imported (standard) and trained as call A trains (the whole call less export-s +
+#   base-eval-s, the base's compile warm-up, its data in the carried tokenizer, NIAH samples of
+#   seed base.niah.seed + round - 1), exported, its short NIAH, packed as nano-base.tgz.a* with
+#   base.json counting the round and the cumulative iterations/tokens of all rounds.
 #
 # Arms: the first argument, a comma list of evidence.yaml's arms (default superlinear,standard);
 # an unknown name stops the script (exit 2) before anything is written.
@@ -69,11 +80,12 @@ parts=$(compgen -G ".nano-base.tgz.a*" | sort | tr '\n' ' ')
 case "$STAGE" in
   "") if [ -n "$parts" ]; then STAGE=arms; echo "STAGE=arms: the carried base's parts $parts"; fi ;;
   base) ;;
-  arms) if [ -z "$parts" ]; then
-          echo "error: STAGE=arms needs the base's parts .nano-base.tgz.aa, ... in the repo root" \
-               "(\$OUT/nano-base.tgz.a* of a STAGE=base call, copied with a leading dot)" >&2; exit 2
+  arms|base-more) if [ -z "$parts" ]; then
+          echo "error: STAGE=$STAGE needs the base's parts .nano-base.tgz.aa, ... in the repo" \
+               "root (\$OUT/nano-base.tgz.a* of a STAGE=base or base-more call, copied with a" \
+               "leading dot)" >&2; exit 2
         fi ;;
-  *) echo "error: STAGE=$STAGE: allowed base, arms (or unset: one call, or arms when" \
+  *) echo "error: STAGE=$STAGE: allowed base, base-more, arms (or unset: one call, or arms when" \
           ".nano-base.tgz.a* are present)" >&2; exit 2 ;;
 esac
 python3 tools/nano_evidence.py check --arms "$arms" $dry_flag || exit 2
@@ -82,9 +94,10 @@ if [ -e "$WORK" ]; then
   else echo "error: WORK=$WORK exists and holds no earlier run of this script; set WORK" >&2; exit 2; fi
 fi
 mkdir -p "$WORK" "$OUT"
-if [ "$STAGE" = arms ]; then
+if [ "$STAGE" = arms ] || [ "$STAGE" = base-more ]; then
+  # arms: into WORK/base; base-more: into WORK/carried (WORK/base is this call's new round)
   # shellcheck disable=SC2086  # the parts' names are split's (no spaces)
-  python3 tools/nano_evidence.py unpack-base --work "$WORK" --parts $parts \
+  python3 tools/nano_evidence.py unpack-base --work "$WORK" --parts $parts --stage "$STAGE" \
     || { echo "error: the carried parts $parts did not unpack" >&2; exit 1; }
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -121,9 +134,9 @@ timeout -k 5 $(( deadline - $(date +%s) + 10 )) \
   ${WARM_ONLY:+--warm-only} 2>&1 \
   | tee "$WORK/driver.log"
 rc=${PIPESTATUS[0]}
-# STAGE=base: the base for the next call, at most 2 parts of 15 MiB (with .whl and data, what a
-# call's 64 MiB carry holds); more is an error (the model is too large for two calls)
-if [ "$STAGE" = base ]; then
+# STAGE=base, base-more: the base for the next call, at most 2 parts of 15 MiB (with .whl and
+# data, what a call's 64 MiB carry holds); more is an error (the model is too large for two calls)
+if [ "$STAGE" = base ] || [ "$STAGE" = base-more ]; then
   rm -f "$OUT"/nano-base.tgz.*
   bf16_flag=--bf16   # the GPU's export holds the checkpoint's dtype; bf16 is what Nano ships
   if [ -n "$DRY" ]; then bf16_flag=; fi

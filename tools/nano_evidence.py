@@ -3,15 +3,16 @@
 4K -> 8K -> 16K, next to the same model kept dense (recipes/nemotron-3-nano-superlinear/README.md,
 "Evidence on one GPU"; settings in recipes/nemotron-3-nano-superlinear/one-gpu/).
 tools/gpu_nano_evidence.sh runs it in one device call, or in two (``--stage base`` then
-``--stage arms``, the base carried between them as tar.gz parts: its header has the commands).
+``--stage arms``, the base carried between them as tar.gz parts: its header has the commands),
+with ``--stage base-more`` calls between them that train the carried base further.
 
     python tools/nano_evidence.py check [--arms superlinear,standard]
     python tools/nano_evidence.py run [--arms A,B] [--work runs/nano-evidence] [--dry]
-        [--stage all|base|arms] [--t0 EPOCH] [--deadline EPOCH] [--base-iters N]
+        [--stage all|base|base-more|arms] [--t0 EPOCH] [--deadline EPOCH] [--base-iters N]
         [--stage-iters A,B,C] [--fixed-iters]
     python tools/nano_evidence.py pack [--work W] [--tarball F] [--summary F]
     python tools/nano_evidence.py pack-base --work W --out PREFIX [--max-parts 2]
-    python tools/nano_evidence.py unpack-base --work W --parts PART [PART ...]
+    python tools/nano_evidence.py unpack-base --work W --parts PART [PART ...] [--stage S]
 
 ``--stage`` (default ``all``: the steps below in one call): ``base`` runs 1-2 only, the base's
 training sized to the whole call less ``export-s`` and ``base-eval-s``, and evaluates the base's
@@ -20,7 +21,11 @@ NIAH at short lengths (evidence.yaml ``base.eval``) beside its export, writing W
 small files (BASE_MEMBERS) into 15 MiB parts, at most ``--max-parts`` (exit 1 past it).
 ``arms`` expects them unpacked into WORK/base (``unpack-base``) and runs 3-5 from there: no
 tokenizer training, no random model, no base training; the data uses the carried tokenizer, the
-stages are sized from the carried tokens/s and get the whole call.
+stages are sized from the carried tokens/s and get the whole call. ``base-more`` expects them
+unpacked into WORK/carried (``unpack-base --stage base-more``) and runs 2 as ``base`` does, but
+from the carried HF folder (no tokenizer training, no random model; the carried tokenizer) with
+the base NIAH seed + round - 1 (the carried round + 1), so each round trains on new samples;
+base.json then counts the rounds and their cumulative iterations and tokens.
 
 ``run``, in order (each step's start and end, in seconds from ``--t0``, in WORK/timings.json):
 
@@ -82,6 +87,31 @@ NOT_SHAPE = ("attention-variant", "layer-pattern", "bf16", "fp16")
 
 class EvidenceError(ValueError):
     pass
+
+
+# the stages that train a base and end with its short NIAH and parts (base: from a random model;
+# base-more: from the carried base's HF folder, one more round)
+BASE_STAGES = ("base", "base-more")
+
+
+def base_rounds(base: dict) -> dict:
+    """The rounds of a base.json's ``base`` entry: {"round", "cumulative_iters",
+    "cumulative_tokens", "stage"}. An entry written before rounds were counted (the GPU base of
+    2026-11-27) is round 1 of STAGE=base, its ``done`` iterations x ``tokens_per_iter`` the
+    cumulative ones."""
+    done = int(base.get("done") or 0)
+    return {"round": int(base.get("round", 1)),
+            "cumulative_iters": int(base.get("cumulative_iters", done)),
+            "cumulative_tokens": int(base.get("cumulative_tokens",
+                                              done * int(base.get("tokens_per_iter") or 0))),
+            "stage": base.get("stage", "base")}
+
+
+def rounds_label(base: dict) -> str:
+    """'round N, cumulative X iterations / Y tokens' of a base.json's ``base`` entry."""
+    r = base_rounds(base)
+    return (f"round {r['round']}, cumulative {r['cumulative_iters']:,} iterations / "
+            f"{_count(r['cumulative_tokens'])} tokens")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -273,14 +303,25 @@ class Run:
         self.data = os.path.join(self.work, "data")
         self.hf_random = os.path.join(self.work, "hf-random")
         self.base = os.path.join(self.work, "base")
+        # STAGE=base-more: the carried base (unpack-base --stage base-more), apart from WORK/base
+        # where this round's import, training and export go
+        self.carried = os.path.join(self.work, "carried")
         self.logs = os.path.join(self.work, "logs")
         self.stage = getattr(args, "stage", None) or "all"
-        # the tokenizer every data job uses: the one trained here, or (STAGE=arms) the carried
-        # base's, which is the same file
-        self.tok = os.path.join(self.base, "hf") if self.stage == "arms" else self.hf_random
+        # the HF folder the base's import reads: the random model, or the carried base's export
+        self.base_src = (os.path.join(self.carried, "hf") if self.stage == "base-more"
+                         else self.hf_random)
+        # the tokenizer every data job uses: the one trained here, or (STAGE=arms, base-more)
+        # the carried base's, which is the same file
+        self.tok = {"arms": os.path.join(self.base, "hf"),
+                    "base-more": self.base_src}.get(self.stage, self.hf_random)
+        # the base's rounds before this call's (base-more: the carried base.json's), and the
+        # round this call trains (1 for all and base)
+        self.prev_base: dict = {}
+        self.round = 1
         self.timings: List[dict] = []
         self.info: dict = {"mode": "DRY (CPU)" if self.dry else "GPU", "stage": self.stage,
-                           "arms": [] if self.stage == "base" else arms,
+                           "arms": [] if self.stage in BASE_STAGES else arms,
                            "corpus": self.corpus, "deadline_s": round(self.deadline - self.t0),
                            "iterations": {}, "notes": []}
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -354,6 +395,8 @@ class Run:
         os.makedirs(self.data, exist_ok=True)
         if self.stage == "arms":
             return self._prep_carried()
+        if self.stage == "base-more":
+            return self._prep_more()
         from megatron_subq.testing.tokenizers import train_niah_bpe  # noqa: PLC0415
 
         tok = self.s["tokenizer"]
@@ -370,10 +413,10 @@ class Run:
         return jobs
 
     def _prep_carried(self) -> Dict[str, Job]:
-        """STAGE=arms: the base carried from the STAGE=base call (unpacked into WORK/base by
-        ``unpack-base``) stands for the random model and the base training: its HF folder is
-        what the arms import, its tokenizer the data's, its base.json the model and the
-        measured tokens/s the stages are sized from."""
+        """STAGE=arms: the base carried from a STAGE=base or base-more call (unpacked into
+        WORK/base by ``unpack-base``) stands for the random model and the base training: its HF
+        folder is what the arms import, its tokenizer the data's, its base.json the model, its
+        rounds and the measured tokens/s the stages are sized from."""
         start = time.time()
         hf = os.path.join(self.base, "hf")
         if not os.path.isfile(os.path.join(hf, "config.json")):
@@ -384,8 +427,7 @@ class Run:
         self.info["model"] = carried.get("model", {})
         self.info["iterations"]["base"] = {**carried.get("base", {}), "carried": True}
         self.info["base_niah"] = carried.get("niah")
-        self.log(f"prep: the carried base in {hf} ({carried.get('base', {}).get('done', '?')} "
-                 "iterations in the STAGE=base call)")
+        self.log(f"prep: the carried base in {hf} ({rounds_label(carried.get('base', {}))})")
         self._start_data(self.data_jobs)
         if not self.dry:  # the arms' kernels compile during the data preparation, in turn
             cmds = [shlex.join([PY, "examples/pretrain_hybrid.py", "--config",
@@ -393,6 +435,34 @@ class Run:
             self.warm_jobs = [self.job("warm-arms", ["bash", "-c", "; ".join(cmds)])]
         self.step("prep (the carried base)", start, "ok")
         return self.data_jobs
+
+    def _prep_more(self) -> Dict[str, Job]:
+        """STAGE=base-more: the base carried from a STAGE=base or base-more call (unpacked into
+        WORK/carried) stands for the random model: its HF folder is what the base imports, its
+        tokenizer the data's, its base.json the rounds so far (this call trains the next one,
+        its NIAH samples from the base NIAH seed + round - 1: new ones each round)."""
+        start = time.time()
+        if not os.path.isfile(os.path.join(self.base_src, "config.json")):
+            raise EvidenceError(f"STAGE=base-more: no carried base in {self.base_src} "
+                                "(config.json missing): unpack the .nano-base.tgz.a* parts "
+                                "first (unpack-base --stage base-more)")
+        meta = os.path.join(self.carried, "base.json")
+        carried = json.load(open(meta, encoding="utf-8")) if os.path.isfile(meta) else {}
+        self.info["model"] = carried.get("model", {})
+        self.prev_base = carried.get("base", {})
+        self.round = base_rounds(self.prev_base)["round"] + 1
+        self.log(f"prep: the carried base in {self.base_src} ({rounds_label(self.prev_base)}); "
+                 f"this call trains round {self.round}")
+        if not getattr(self.args, "warm_only", False):
+            self._start_data(self.data_jobs)
+        self.step(f"prep (the carried base, round {self.round})", start, "ok")
+        return self.data_jobs
+
+    def niah_base_seed(self) -> int:
+        """The base NIAH training data's seed: evidence.yaml's base.niah.seed + round - 1, so
+        that round 1 (STAGE=base, one call) keeps the seed it always had and each base-more
+        round trains on samples the earlier rounds did not see."""
+        return int(self.s["base"]["niah"]["seed"]) + self.round - 1
 
     def _start_data(self, jobs: Dict[str, Job]) -> None:
         """The background jobs (``jobs``, by name) of what this stage needs: the LM text (all);
@@ -409,8 +479,8 @@ class Run:
             b = self.s["base"]["niah"]
             jobs["niah-base"] = self.job("prep-niah-base", self.niah_cmd(
                 self.tok, os.path.join(self.data, "niah-base"), b["lengths"], b["depths"],
-                b["samples-per-cell"], b["seed"]))
-        if self.stage == "base":
+                b["samples-per-cell"], self.niah_base_seed()))
+        if self.stage in BASE_STAGES:
             e = self.s["base"]["eval"]
             jobs["niah-base-eval"] = self.job("prep-niah-base-eval", self.niah_cmd(
                 self.tok, os.path.join(self.data, "niah-base-eval"), e["lengths"], e["depths"],
@@ -500,7 +570,7 @@ class Run:
         # the base's kernels compile while the import and the data run (CPU work)
         warm = self.warm_up("standard")
         imp = self.job("base-import", [PY, "tools/convert_checkpoint.py", "import", "--hf",
-                                       self.hf_random, "--save",
+                                       self.base_src, "--save",
                                        os.path.join(self.base, "import"),
                                        "--attention-variant", "standard", "--no-progress"])
         needed = [imp, data_jobs["lm"], data_jobs["niah-base"]]
@@ -518,7 +588,7 @@ class Run:
         w = self._weights(_yaml(src))
         extra = {"data-path": [w[0], os.path.join(self.data, "lm_text_document"), w[1],
                                os.path.join(self.data, "niah-base_text_document")],
-                 "tokenizer-model": self.hf_random, "load": os.path.join(self.base, "import"),
+                 "tokenizer-model": self.tok, "load": os.path.join(self.base, "import"),
                  "save": os.path.join(self.base, "train"),
                  "metrics-file": os.path.join(self.base, "train", "metrics.jsonl")}
         if self.dry:
@@ -527,7 +597,7 @@ class Run:
         # the base's share of what is left, less the arms' imports, their stages' start-ups and
         # the after step; its iterations from the guessed rate, and the trainer's own clock
         t = self.timing
-        if self.stage == "base":  # the whole call, less the export and the short NIAH at its end
+        if self.stage in BASE_STAGES:  # the whole call, less the export and the short NIAH
             until = self.deadline - float(t["export-s"]) - float(t["base-eval-s"])
             budget = max(60.0, until - time.time() - float(t["startup-s"]))
         else:
@@ -536,11 +606,14 @@ class Run:
             budget = max(60.0, float(t["base-share"]) * (free - n_stages * float(t["startup-s"])))
             until = start + budget + 60
         tokens = int(cfg["global-batch-size"]) * int(cfg["seq-length"])
+        # base-more: the carried base's measured tokens/s (the same model on the same kind of
+        # GPU), so that the cosine schedule ends near where the clock stops it
+        rate_guess = float(self.prev_base.get("rate") or t["rate-guess"])
         if self.args.base_iters:
             cfg["train-iters"] = int(self.args.base_iters)
         elif not self.dry and not self.args.fixed_iters:
             cfg["train-iters"] = max(int(t["min-iters"]), int(
-                (budget - float(t["startup-s"])) * float(t["rate-guess"]) / tokens))
+                (budget - float(t["startup-s"])) * rate_guess / tokens))
         cfg["lr-warmup-iters"] = min(int(cfg["lr-warmup-iters"]),
                                      max(1, int(cfg["train-iters"]) // 10))
         if not self.dry:
@@ -552,8 +625,8 @@ class Run:
                                            "tokens_per_iter": tokens,
                                            "seq": cfg["seq-length"],
                                            "budget_s": round(budget)}
-        self.log(f"base: {cfg['train-iters']} iterations of {tokens} tokens, budget "
-                 f"{budget:.0f} s")
+        self.log(f"base: round {self.round}, {cfg['train-iters']} iterations of {tokens} "
+                 f"tokens, budget {budget:.0f} s")
         train = self.job("base-train", [PY, "examples/pretrain_hybrid.py", "--config", path],
                          os.path.join(self.base, "train.log"))
         # the other arms' kernels compile meanwhile (one sequence: a little GPU time)
@@ -563,8 +636,8 @@ class Run:
             raise RuntimeError(f"base training wrote no checkpoint (exit {train.rc}; log "
                                f"{train.log})")
         rate = throughput(metrics_rows(cfg["metrics-file"]), tokens)
-        self.info["iterations"]["base"].update(done=saved_iteration(os.path.join(self.base, "train")),
-                                               rate=rate)
+        done = saved_iteration(os.path.join(self.base, "train"))
+        self.info["iterations"]["base"].update(done=done, rate=rate, **self._rounds(done, tokens))
         self.step("base: training", start, train.stopped or f"exit {train.rc}")
 
         start = time.time()
@@ -573,7 +646,7 @@ class Run:
                                        os.path.join(self.base, "hf"), "--hf-config",
                                        os.path.join(self.base, "import"), "--no-progress"])
         jobs = [exp]
-        if self.stage == "base":  # the base's short NIAH beside the export (GPU and CPU)
+        if self.stage in BASE_STAGES:  # the base's short NIAH beside the export (GPU and CPU)
             out = os.path.join(self.base, "niah")
             os.makedirs(out, exist_ok=True)
             data = self.data_jobs["niah-base-eval"]
@@ -592,12 +665,29 @@ class Run:
         self.need([exp], "base export")
         self.step("base: export to HF" + (" + short NIAH" if len(jobs) > 1 else ""), start,
                   "; ".join(f"{j.name} {j.stopped or f'exit {j.rc}'}" for j in jobs))
-        if self.stage == "base":
+        if self.stage in BASE_STAGES:
             self._base_meta()
 
+    def _rounds(self, done: int, tokens_per_iter: int) -> dict:
+        """base.json's round keys after this call trained ``done`` iterations: its round, the
+        stage that trained it, the NIAH seed, the cumulative iterations and tokens of all rounds
+        (the carried ones plus this one's) and one entry per round."""
+        prev = base_rounds(self.prev_base) if self.prev_base else None
+        rounds = list(self.prev_base.get("rounds") or ([] if prev is None else [
+            {"round": prev["round"], "stage": prev["stage"], "iterations":
+             prev["cumulative_iters"], "tokens": prev["cumulative_tokens"], "niah_seed": None}]))
+        rounds.append({"round": self.round, "stage": self.stage, "iterations": done,
+                       "tokens": done * tokens_per_iter, "niah_seed": self.niah_base_seed()})
+        return {"round": self.round, "stage": self.stage, "niah_seed": self.niah_base_seed(),
+                "cumulative_iters": (prev["cumulative_iters"] if prev else 0) + done,
+                "cumulative_tokens": ((prev["cumulative_tokens"] if prev else 0)
+                                      + done * tokens_per_iter),
+                "rounds": rounds}
+
     def _base_meta(self) -> None:
-        """WORK/base/base.json: what STAGE=arms needs of this call besides the HF folder (the
-        model's description, the base's iterations and tokens/s, its short NIAH)."""
+        """WORK/base/base.json: what STAGE=arms (or the next base-more) needs of this call
+        besides the HF folder (the model's description; the base's iterations, tokens/s, round
+        and cumulative iterations/tokens, base_run's keys; its short NIAH)."""
         r = niah_by_length(os.path.join(self.base, "niah", "niah.json"))
         niah = None if r is None else {"accuracy": r["accuracy"], "logprob": r["logprob"],
                                        "lengths": {str(n): v[0] for n, v in r["lengths"].items()}}
@@ -811,7 +901,7 @@ class Run:
                 return self.warm_only()
             if self.stage != "arms":
                 self.base_run(self.data_jobs)
-            if self.stage == "base":
+            if self.stage in BASE_STAGES:
                 return 0
             self.curricula = self.arms_setup(self.data_jobs)
             self.train_and_before()
@@ -952,9 +1042,12 @@ def summary(work: str) -> str:
                 "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
                 "accuracy.", ""]
     base_niah = niah_by_length(os.path.join(work, "base", "niah", "niah.json"))
+    its = info.get("iterations", {})
+    base_its = its.get("base", {})
     if base_niah:
         ls = sorted(base_niah["lengths"])
-        out += ["## The base's NIAH at short lengths (end of the STAGE=base call)", "",
+        out += [f"## The base's NIAH at short lengths (end of the "
+                f"STAGE={base_rounds(base_its)['stage']} call: {rounds_label(base_its)})", "",
                 "| " + " | ".join(["checkpoint (iteration)", *[_len_label(n) for n in ls],
                                    "all", "answer log-prob"]) + " |",
                 "|" + "---|" * (len(ls) + 3),
@@ -970,7 +1063,6 @@ def summary(work: str) -> str:
             "| run | seq | iterations (planned) | tokens | train s | tokens/s "
             "| loss first → last |",
             "|---|---|---|---|---|---|---|"]
-    its = info.get("iterations", {})
 
     def row(name, cfg_path, planned):
         if not os.path.isfile(cfg_path):
@@ -987,9 +1079,10 @@ def summary(work: str) -> str:
                 f"{_count(len(rows) * tokens)} | {secs:.0f} | "
                 f"{f'{rate:,.0f}' if rate else '—'} | {loss} |")
 
-    r = row("base (dense, alone)" + (" (STAGE=base call, carried)"
-                                     if its.get("base", {}).get("carried") else ""),
-            os.path.join(work, "base", "base.yaml"), its.get("base", {}).get("planned", "?"))
+    carried = (f" (STAGE={base_rounds(base_its)['stage']} call, carried)"
+               if base_its.get("carried") else "")
+    r = row(f"base (dense, alone){carried}; {rounds_label(base_its)}",
+            os.path.join(work, "base", "base.yaml"), base_its.get("planned", "?"))
     if r:
         out.append(r)
     for arm in arms:
@@ -1168,9 +1261,11 @@ def main(argv=None) -> int:
     p.add_argument("command", choices=("check", "run", "pack", "pack-base", "unpack-base"))
     p.add_argument("--parts", nargs="+", default=[],
                    help="unpack-base: the carried parts (.nano-base.tgz.a*)")
-    p.add_argument("--stage", default="all", choices=("all", "base", "arms"),
+    p.add_argument("--stage", default="all", choices=("all", "base", "base-more", "arms"),
                    help="all (one call), base (prep + the base for the whole call, its short "
-                        "NIAH), arms (the arms from the base unpacked into WORK/base)")
+                        "NIAH), base-more (the same from the base unpacked into WORK/carried: "
+                        "one more round), arms (the arms from the base unpacked into WORK/base); "
+                        "unpack-base: base-more unpacks into WORK/carried, others WORK/base")
     p.add_argument("--out", default=None, help="pack-base: the parts' prefix "
                                                "($OUT/nano-base.tgz.)")
     p.add_argument("--max-parts", type=int, default=2, help="pack-base: at most (default 2)")
@@ -1224,8 +1319,11 @@ def main(argv=None) -> int:
                       f"{sum(os.path.getsize(x) for x in paths) / 2 ** 20:.1f} MiB: "
                       + " ".join(paths))
             else:
-                names = unpack_parts(args.parts, base)
-                print(f"unpack-base: {len(names)} entries into {base}")
+                # base-more trains, exports and packs WORK/base anew: the carried one apart
+                dest = (os.path.join(os.path.abspath(args.work), "carried")
+                        if args.stage == "base-more" else base)
+                names = unpack_parts(args.parts, dest)
+                print(f"unpack-base: {len(names)} entries into {dest}")
         except (EvidenceError, OSError, tarfile.TarError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
