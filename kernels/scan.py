@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, fast
+
 
 @triton.jit
 def _prefix_sums(delta_ptr, out_ptr, init_ptr, final_ptr, chunks_ptr, pid_bh, blk, NT, L,
@@ -113,7 +115,7 @@ def scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
     out = torch.empty_like(delta, dtype=out_dtype)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
-    chunk_scan_kernel[(triton.cdiv(L, cfg.scan_block), B * H)](
+    fast(chunk_scan_kernel)[(cdiv(L, cfg.scan_block), B * H)](
         delta_ptr=delta, out_ptr=out, init_ptr=init if init is not None else out, final_ptr=final,
         chunks_ptr=chunks if chunks is not None else out, NT=NT, L=L, BLOCK=cfg.scan_block,
         UNROLL=cfg.scan_unroll, HAS_INIT=init is not None, STORE_FINAL=store_final, REVERSE=reverse,
@@ -135,8 +137,8 @@ def scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, ch
                             device=delta.device)
         z_final = torch.empty((B, H) + tuple(dz.shape[3:]), dtype=torch.float32,
                               device=dz.device)
-    n_s = triton.cdiv(LS, cfg.scan_block)
-    chunk_scan_pair_kernel[(n_s + triton.cdiv(LZ, cfg.scan_block), B * H)](
+    n_s = cdiv(LS, cfg.scan_block)
+    fast(chunk_scan_pair_kernel)[(n_s + cdiv(LZ, cfg.scan_block), B * H)](
         s_delta_ptr=delta, s_out_ptr=out, s_init_ptr=init if has_init else out, s_final_ptr=final,
         z_delta_ptr=dz, z_out_ptr=z_out, z_init_ptr=z_init if has_init else z_out,
         z_final_ptr=z_final, chunks_ptr=chunks if chunks is not None else out, NT=NT, LS=LS, LZ=LZ,

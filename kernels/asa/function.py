@@ -24,6 +24,7 @@ import triton
 
 from ..checks import check_cu_seqlens, triton_interpreting
 from ..common import check_int32_offsets, env_overrides
+from ..launch import cdiv, fast
 from ..scan import scan as _scan, scan_pair as _scan_pair
 from .chunk import (
     asa_bwd_block_kernel,
@@ -241,7 +242,7 @@ def chunk_table(bounds: list, BT: int, device) -> torch.Tensor:
 
 
 def _num_chunks(T: int, cfg, chunks: Optional[torch.Tensor]) -> int:
-    return triton.cdiv(T, cfg.BT) if chunks is None else chunks.shape[0]
+    return cdiv(T, cfg.BT) if chunks is None else chunks.shape[0]
 
 
 def _state_dtype(x: torch.Tensor, cfg) -> torch.dtype:
@@ -262,7 +263,7 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
     dz = alloc(B, H, NT, m, dtype=torch.float32, device=x.device)
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
-    asa_chunk_delta_kernel[(NT, triton.cdiv(Dv, cfg.BV_delta), B * H)](
+    fast(asa_chunk_delta_kernel)[(NT, cdiv(Dv, cfg.BV_delta), B * H)](
         x_ptr=x, p_ptr=p, y_ptr=y, den_ptr=den, r_ptr=r, delta_ptr=delta, dz_ptr=dz,
         chunks_ptr=chunks if chunks is not None else delta, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
         sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), syb=y.stride(0), syt=y.stride(1),
@@ -289,7 +290,7 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
     if cfg.scan != "sequential":
         raise ValueError(f"ASA launch config: scan={cfg.scan!r}; allowed 'parallel' or "
                          "'sequential'")
-    NT = triton.cdiv(T, cfg.BT)
+    NT = cdiv(T, cfg.BT)
     states = torch.empty(B, H, NT, m, Dv, dtype=torch.float32, device=k.device)
     zs = torch.empty(B, H, NT, m, dtype=torch.float32, device=k.device)
     s_final, z_final = states, zs  # unwritten unless store_final
@@ -297,8 +298,8 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
         s_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=k.device)
         z_final = torch.empty(B, H, m, dtype=torch.float32, device=k.device)
     has_s0 = s0 is not None
-    grid = (triton.cdiv(Dv, cfg.BV_state), B * H)
-    asa_fwd_states_kernel[grid](
+    grid = (cdiv(Dv, cfg.BV_state), B * H)
+    fast(asa_fwd_states_kernel)[grid](
         k_ptr=k, v_ptr=v, pk_ptr=p_k, s0_ptr=s0 if has_s0 else states, z0_ptr=z0 if has_s0 else zs,
         states_ptr=states, zs_ptr=zs, st_ptr=s_final, zt_ptr=z_final, T=T, H=H, G=G, D=D, M=m,
         DV=Dv, NT=NT, skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0),
@@ -333,7 +334,7 @@ def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None, i
     if store_final:
         ds_final = torch.empty(B, H, m, Dv, dtype=torch.float32, device=q.device)
         dz_final = torch.empty(B, H, m, dtype=torch.float32, device=q.device)
-    asa_bwd_states_kernel[(triton.cdiv(Dv, cfg.BV_state), B * H)](
+    fast(asa_bwd_states_kernel)[(cdiv(Dv, cfg.BV_state), B * H)](
         q_ptr=q, pq_ptr=p_q, do_ptr=d_o, den_ptr=den, r_ptr=r, dstates_ptr=dstates, dzs_ptr=dzs,
         ds0_ptr=ds0 if init is not None else dstates, dz0_ptr=dz0 if init is not None else dzs,
         dsf_ptr=ds_final, dzf_ptr=dz_final,
@@ -349,7 +350,7 @@ def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
     layout (``_token_major``)."""
     B, T, H, Dv = o.shape
     r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
-    asa_bwd_r_kernel[(triton.cdiv(T, cfg.BT), B * H)](
+    fast(asa_bwd_r_kernel)[(cdiv(T, cfg.BT), B * H)](
         do_ptr=d_o, o_ptr=o, den_ptr=den, r_ptr=r, T=T, H=H, DV=Dv, BT=cfg.BT, BV=_pow2(Dv),
         B=B, TMAJOR=_token_major(o), num_warps=4)
     return r
@@ -364,14 +365,14 @@ def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
     """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
     B, T, _, D = x.shape
     H, m = dl.shape[2], dl.shape[3]
-    NT = triton.cdiv(T, cfg.BT)
+    NT = cdiv(T, cfg.BT)
     cpg = cfg.CPG
     if cpg == "auto":
-        cpg = triton.cdiv(NT * B * H, 2 * _sm_count(x.device))
+        cpg = cdiv(NT * B * H, 2 * _sm_count(x.device))
     cpg = max(1, min(cpg, 16, NT))
-    n_groups = triton.cdiv(NT, cpg)
+    n_groups = cdiv(NT, cpg)
     part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
-    asa_bwd_dp_kernel[(n_groups, triton.cdiv(D, cfg.BDT), B * H)](
+    fast(asa_bwd_dp_kernel)[(n_groups, cdiv(D, cfg.BDT), B * H)](
         x_ptr=x, dl_ptr=dl, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m, NT=NT, CPG=cpg,
         sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), BDT=cfg.BDT, BT=cfg.BT, BM=cfg.BM,
         PREC=cfg.PREC, num_warps=cfg.dp_warps, num_stages=cfg.stages)
@@ -412,8 +413,8 @@ class ASAChunkFunction(torch.autograd.Function):
         tmajor = _token_major(q)  # o (and later the gradients) in q's [s, b] memory order
         o = _empty_rows(B, T, H, Dv, q.dtype, q.device, tmajor)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        grid = (NT * (cfg.BT // cfg.out_rows), triton.cdiv(Dv, cfg.BV_out), B * H)
-        asa_fwd_out_kernel[grid](
+        grid = (NT * (cfg.BT // cfg.out_rows), cdiv(Dv, cfg.BV_out), B * H)
+        fast(asa_fwd_out_kernel)[grid](
             q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, states_ptr=states, zs_ptr=zs,
             seen_ptr=den if seen is None else seen, o_ptr=o, den_ptr=den,
             chunks_ptr=chunks if chunks is not None else den, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
@@ -476,7 +477,7 @@ class ASAChunkFunction(torch.autograd.Function):
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         rows = cfg.bwd_rows
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
-            asa_bwd_block_kernel[(NT * (cfg.BT // rows), B * H)](
+            fast(asa_bwd_block_kernel)[(NT * (cfg.BT // rows), B * H)](
                 q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, do_ptr=d_o, den_ptr=den, r_ptr=r,
                 states_ptr=states, zs_ptr=zs, dstates_ptr=dstates, dzs_ptr=dzs, dx_ptr=dx,
                 dv_ptr=dv_h, dl_ptr=dl, chunks_ptr=chunks if chunks is not None else den, T=T, H=H,
@@ -484,7 +485,7 @@ class ASAChunkFunction(torch.autograd.Function):
                 skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0), svt=v.stride(1),
                 svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
                 BV=cfg.BV_bwd,
-                NV=triton.cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
+                NV=cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
                 VARLEN=chunks is not None, DZ=init is not None, B=B, TMAJOR=tmajor,
                 num_warps=cfg.bwd_warps, num_stages=cfg.stages)
         if G > 1:
@@ -536,7 +537,7 @@ def asa_attention_kernel(q, k, v, p_q, p_k, normalize: str = "linear", initial_s
     m, Dv = p_q.shape[2], v.shape[3]
     check_int32_offsets("asa_attention_kernel", q=q.numel(), k=k.numel(), v=v.numel(),
                         output=B * T * H * Dv, feature_grads=B * T * H * m,
-                        chunk_states=B * H * triton.cdiv(T, 64) * m * Dv)
+                        chunk_states=B * H * cdiv(T, 64) * m * Dv)
     if cu_seqlens is not None:
         if initial_state is not None or output_final_state:
             raise ValueError("asa_attention_kernel: cu_seqlens cannot be combined with "
