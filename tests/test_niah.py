@@ -143,6 +143,39 @@ def test_train_format_and_flag_grids(tmp_path, hf_dir):
         4096, 8192, 16384, 32768, 65536]
 
 
+def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, hf_dir):
+    """--format train-answer: the same tokens tools/preprocess_data.py writes for --format
+    train, and a uint8 sidecar that is 1 exactly on each sample's answer tokens."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from tools import preprocess_data
+
+    common = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir,
+              "--lengths", "300,500", "--depths", "0,100", "--seed", "5", "--corpus", CORPUS,
+              "--no-progress"]
+    niah_tool.main(["generate", *common, "--output", str(tmp_path / "eval.jsonl")])
+    niah_tool.main(["generate", *common, "--output", str(tmp_path / "train.jsonl"), "--format",
+                    "train"])
+    niah_tool.main(["generate", *common, "--output", str(tmp_path / "ans"), "--format",
+                    "train-answer"])
+    preprocess_data.main(["--input", str(tmp_path / "train.jsonl"), "--output-prefix",
+                          str(tmp_path / "pre"), "--tokenizer-type", "HuggingFaceTokenizer",
+                          "--tokenizer-model", hf_dir, "--workers", "1", "--no-progress"])
+    evals = [json.loads(x) for x in open(tmp_path / "eval.jsonl", encoding="utf-8")]
+    pre = IndexedDataset(str(tmp_path / "pre_text_document"))
+    tokens = IndexedDataset(str(tmp_path / "ans_text_document"))
+    mask = IndexedDataset(str(tmp_path / ("ans_text_document" + niah.LOSS_MASK_SUFFIX)))
+    assert len(tokens) == len(mask) == len(pre) == len(evals) == 4
+    assert mask[0].dtype == numpy.uint8
+    for i, r in enumerate(evals):
+        assert numpy.array_equal(tokens[i], pre[i])
+        n = r["prompt_tokens"] + r["answer_tokens"] + 1  # + EOD
+        assert len(tokens[i]) == len(mask[i]) == n
+        assert mask[i].tolist() == [0] * r["prompt_tokens"] + [1] * r["answer_tokens"] + [0]
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # no temporary left
+
+
 def _bad(capsys, argv, *words):
     with pytest.raises(SystemExit) as e:
         niah_tool.main(argv)

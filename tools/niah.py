@@ -64,9 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workers", type=int, default=1,
                    help="processes making the samples (the same samples for any number; "
                         "default 1)")
-    g.add_argument("--format", default="eval", choices=("eval", "train"),
+    g.add_argument("--format", default="eval", choices=("eval", "train", "train-answer"),
                    help="eval: full records (prompt, answer, positions, keys); train: "
-                        '{"text": prompt + answer} for tools/preprocess_data.py (default eval)')
+                        '{"text": prompt + answer} for tools/preprocess_data.py; train-answer: '
+                        "the indexed dataset OUTPUT_text_document (prompt + answer + EOD) and "
+                        "its loss-mask sidecar OUTPUT_text_document_lossmask (1 on the "
+                        "answer's tokens) for the trainer's --subq-loss-mask-data; --output is "
+                        "then a prefix (default eval)")
 
     e = sub.add_parser("eval", help="score a checkpoint, write a JSON result and a heatmap")
     _grid_flags(e, lengths_required=False)
@@ -134,6 +138,12 @@ def cmd_generate(args, parser) -> dict:
     out = niah.generate_samples(tokenizer, lengths, depths, samples, args.needles, args.seed,
                                 pool=pool, tokenizer_name=name,
                                 progress=not args.no_progress, workers=args.workers)
+    if args.format == "train-answer":
+        info = niah.write_answer_masked(args.output, out, tokenizer)
+        print(f"niah: wrote {info['samples']} samples ({info['tokens']} tokens, "
+              f"{info['answer_tokens']} of them answers in the loss mask) to {info['prefix']} "
+              f"and {info['prefix']}{niah.LOSS_MASK_SUFFIX}")
+        return {"samples": info["samples"], "output": info["prefix"]}
     if args.format == "train":
         records = [{"text": s.prompt + s.answer} for s in out]
     else:

@@ -627,6 +627,56 @@ def write_jsonl(path: str, records: Iterable[dict]) -> None:
             os.remove(tmp)
 
 
+LOSS_MASK_SUFFIX = "_lossmask"  # the trainer's --subq-loss-mask-data sidecar: PREFIX + this
+
+
+def write_answer_masked(prefix: str, samples: Sequence[NiahSample], tokenizer) -> dict:
+    """Training samples as a megatron indexed dataset ``PREFIX_text_document`` (each sample's
+    prompt + answer tokens, then EOD) and its loss-mask sidecar ``PREFIX_text_document_lossmask``
+    (uint8, 1 on the answer's tokens, 0 on the prompt and the EOD): with the trainer's
+    ``--subq-loss-mask-data`` the loss counts the answers only, not the haystack (memorised
+    text) or the needles' random values (noise). The tokens are ``tokenizer.tokenize(prompt +
+    answer)``, what ``tools/preprocess_data.py`` writes for ``{"text": prompt + answer}``; a
+    sample whose tokens are not its ``prompt_tokens`` + ``answer_tokens`` is a ValueError.
+    Written under temporary names, renamed when both are complete. Returns counts."""
+    import numpy  # noqa: PLC0415
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
+
+    if not samples:
+        raise ValueError("write_answer_masked: no samples")
+    base = f"{prefix}_text_document"
+    names = {"tokens": base, "mask": base + LOSS_MASK_SUFFIX}
+    tmp = {k: (_atomic_path(v + ".bin"), _atomic_path(v + ".idx")) for k, v in names.items()}
+    builders = {"tokens": IndexedDatasetBuilder(tmp["tokens"][0],
+                                                dtype=DType.optimal_dtype(tokenizer.vocab_size)),
+                "mask": IndexedDatasetBuilder(tmp["mask"][0], dtype=numpy.uint8)}
+    answer_tokens = tokens = 0
+    try:
+        for s in samples:
+            ids = list(tokenizer.tokenize(s.prompt + s.answer))
+            if len(ids) != s.prompt_tokens + s.answer_tokens:
+                raise ValueError(f"NIAH sample {s.id}: prompt + answer tokenize to {len(ids)} "
+                                 f"tokens, not {s.prompt_tokens} + {s.answer_tokens}")
+            ids.append(tokenizer.eod)
+            mask = [0] * s.prompt_tokens + [1] * s.answer_tokens + [0]
+            builders["tokens"].add_document(numpy.array(ids, dtype=numpy.int64), [len(ids)])
+            builders["mask"].add_document(numpy.array(mask, dtype=numpy.uint8), [len(mask)])
+            answer_tokens += s.answer_tokens
+            tokens += len(ids)
+        for k, builder in builders.items():
+            builder.finalize(tmp[k][1])
+        for k, name in names.items():
+            os.replace(tmp[k][0], name + ".bin")
+            os.replace(tmp[k][1], name + ".idx")
+    finally:
+        for paths in tmp.values():
+            for path in paths:
+                if os.path.exists(path):
+                    os.remove(path)
+    return {"samples": len(samples), "tokens": tokens, "answer_tokens": answer_tokens,
+            "prefix": base}
+
+
 def write_json(path: str, data: dict) -> None:
     tmp = _atomic_path(path)
     try:
