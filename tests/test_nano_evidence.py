@@ -92,6 +92,28 @@ def test_one_gpu_recipe_files_agree():
     assert [s["flags"]["seq-length"] for s in dry["dry-stages"]] == [256, 512, 1024]
 
 
+def test_base_niah_format_and_loss_mask_flag_agree(tmp_path):
+    """evidence.yaml's base.niah.format and base.yaml's subq-loss-mask-data: the shipped pair
+    agrees (answer-only loss), and a disagreement or an unknown format stops the run naming
+    both keys before anything is written."""
+    settings = ne.read_settings()
+    assert settings["base"]["niah"]["format"] == "train-answer"
+    ne.check_base_niah(settings)
+    base = ne._yaml(os.path.join(ONE_GPU, "base.yaml"))
+    assert base["subq-loss-mask-data"] is True
+    fake = tmp_path / "recipe"
+    fake.mkdir()
+    plain = {k: v for k, v in base.items() if k != "subq-loss-mask-data"}
+    (fake / "base.yaml").write_text(yaml.safe_dump(plain))
+    with pytest.raises(ne.EvidenceError, match="subq-loss-mask-data false disagree"):
+        ne.check_base_niah(settings, recipe=str(fake))
+    settings["base"]["niah"]["format"] = "train"
+    ne.check_base_niah(settings, recipe=str(fake))
+    settings["base"]["niah"]["format"] = "jsonl"
+    with pytest.raises(ne.EvidenceError, match="allowed train, train-answer"):
+        ne.check_base_niah(settings, recipe=str(fake))
+
+
 @pytest.mark.slow
 def test_dry_run_end_to_end(tmp_path):
     """The script's CPU dry mode: a tiny random NemotronH imported, base-trained, exported,

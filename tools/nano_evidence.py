@@ -153,6 +153,24 @@ def parse_arms(text: str, settings: dict) -> List[str]:
     return names
 
 
+NIAH_FORMATS = ("train", "train-answer")
+
+
+def check_base_niah(settings: dict, recipe: str = RECIPE) -> None:
+    """evidence.yaml's ``base.niah.format`` and base.yaml's ``subq-loss-mask-data`` agree:
+    ``train-answer`` (the loss on the answers only: the sidecar tools/niah.py writes) needs the
+    flag, ``train`` (the plain LM loss) must not have it."""
+    fmt = settings["base"]["niah"].get("format", "train")
+    if fmt not in NIAH_FORMATS:
+        raise EvidenceError(f"evidence.yaml base.niah.format {fmt!r}: allowed "
+                            f"{', '.join(NIAH_FORMATS)}")
+    masked = bool(_yaml(os.path.join(recipe, "base.yaml")).get("subq-loss-mask-data", False))
+    if masked != (fmt == "train-answer"):
+        raise EvidenceError(f"evidence.yaml base.niah.format {fmt!r} and base.yaml "
+                            f"subq-loss-mask-data {str(masked).lower()} disagree: "
+                            "train-answer goes with subq-loss-mask-data: true, train without it")
+
+
 def find_corpus() -> str:
     for path in (os.environ.get("SUBQ_CORPUS"), os.path.join(ROOT, "data", "docs-corpus.jsonl.xz"),
                  os.path.join(ROOT, "..", "shared", "data", "docs-corpus.jsonl.xz")):
@@ -375,11 +393,13 @@ class Run:
     # -- 1. prep --------------------------------------------------------------------------------
     def niah_cmd(self, tok: str, out_prefix: str, lengths, depths, per_cell, seed, fmt="train",
                  skip=0) -> List[str]:
-        jsonl = out_prefix + ".jsonl"
+        # train-answer writes OUT_PREFIX_text_document and its loss-mask sidecar itself
+        out = out_prefix if fmt == "train-answer" else out_prefix + ".jsonl"
+        jsonl = out
         gen = [PY, "tools/niah.py", "generate", "--tokenizer-type", "HuggingFaceTokenizer",
                "--tokenizer-model", tok, "--lengths", ",".join(str(n) for n in lengths),
                "--depths", str(depths), "--samples-per-cell", str(per_cell), "--seed", str(seed),
-               "--needles", "1", "--format", fmt, "--output", jsonl, "--corpus", self.corpus,
+               "--needles", "1", "--format", fmt, "--output", out, "--corpus", self.corpus,
                "--workers", str(self.workers), "--no-progress"]
         if skip:
             gen += ["--skip-documents", str(skip)]
@@ -479,7 +499,7 @@ class Run:
             b = self.s["base"]["niah"]
             jobs["niah-base"] = self.job("prep-niah-base", self.niah_cmd(
                 self.tok, os.path.join(self.data, "niah-base"), b["lengths"], b["depths"],
-                b["samples-per-cell"], self.niah_base_seed()))
+                b["samples-per-cell"], self.niah_base_seed(), fmt=b.get("format", "train")))
         if self.stage in BASE_STAGES:
             e = self.s["base"]["eval"]
             jobs["niah-base-eval"] = self.job("prep-niah-base-eval", self.niah_cmd(
@@ -530,7 +550,8 @@ class Run:
     # -- 2. base --------------------------------------------------------------------------------
     # keys of base.yaml a warm-up run drops: it trains on mock data and keeps nothing
     WARM_DROP = ("data-path", "load", "finetune", "save", "metrics-file", "save-interval",
-                 "exit-signal-handler", "split", "num-workers", "exit-duration-in-mins")
+                 "exit-signal-handler", "split", "num-workers", "exit-duration-in-mins",
+                 "subq-loss-mask-data")
 
     def variants(self) -> List[str]:
         """The attention variants the run compiles: 'standard' (the base's) first, then every
@@ -1289,6 +1310,7 @@ def main(argv=None) -> int:
     try:
         settings = read_settings(RECIPE, args.dry)
         arms = parse_arms(args.arms, settings)
+        check_base_niah(settings)
         if args.stage_iters is not None:
             bad = [x for x in args.stage_iters.split(",") if not x.strip().isdigit()]
             if bad or len(args.stage_iters.split(",")) != 3:
