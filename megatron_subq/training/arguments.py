@@ -412,6 +412,16 @@ def build_parser() -> argparse.ArgumentParser:
                "batch runs as packed sequences (THD) so that no token attends across documents "
                f"(variants {', '.join(_packed_variants())})")
     _bool_flag(g, "--eod-mask-loss", False, "no loss on predicting the token after an EOD")
+    _bool_flag(g, "--subq-loss-mask-data", False,
+               "per-token loss masks from sidecar datasets: every data prefix P that has "
+               "P_lossmask.bin/.idx (a uint8 megatron indexed dataset, one sequence per document "
+               "of P of the same length, 1 where that token as a label counts in the loss, 0 "
+               "where not) trains only on its 1s (multiplied into megatron's loss mask, so "
+               "--eod-mask-loss still applies); prefixes without one train on every token. So "
+               "retrieval samples (NIAH) teach only their answer while LM text in the same blend "
+               "keeps the full loss. Default off: sidecars are ignored. Refused with "
+               "--mock-data, when no prefix has a sidecar, and for a sidecar that does not match "
+               "its prefix (megatron_subq/training/loss_mask_data.py)")
 
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES)
@@ -702,6 +712,10 @@ def validate_args(parser: argparse.ArgumentParser, args: argparse.Namespace,
                      "/ --per-split-data-args-path) or --mock-data")
     if args.data_path and (args.train_data_path or args.valid_data_path or args.test_data_path):
         parser.error("--data-path conflicts with --train/valid/test-data-path")
+    if args.subq_loss_mask_data and args.mock_data:
+        parser.error("--subq-loss-mask-data conflicts with --mock-data (mock data has no "
+                     "PREFIX_lossmask sidecars to read); allowed: --data-path with sidecars, or "
+                     "--no-subq-loss-mask-data")
     for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         if getattr(args, name):
             parse_blend(parser, getattr(args, name), "--" + name.replace("_", "-"))

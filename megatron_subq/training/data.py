@@ -15,6 +15,8 @@ layouts.
 that megatron-core would otherwise accept and then fail on late, silently or forever: a prefix
 without its ``.bin``/``.idx``, an ``.idx`` that is not one, a ``.bin`` whose size is not the one
 its ``.idx`` implies, and a split too small for what the run asks of it (see ``check_splits``).
+With ``--subq-loss-mask-data`` it also checks the prefixes' loss-mask sidecars
+(``loss_mask_data.check_loss_mask_sidecars``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
 from .blend import parse_blend
+from .loss_mask_data import FLAG as LOSS_MASK_FLAG
+from .loss_mask_data import LossMaskGPTDataset, check_loss_mask_sidecars
 
 
 class PretrainingSampler:
@@ -96,7 +100,12 @@ def build_datasets(args: argparse.Namespace, tokenizer):
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,  # every variant is causal; none reads a mask
     )
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    if args.mock_data:
+        cls = MockGPTDataset
+    elif getattr(args, "subq_loss_mask_data", False):
+        cls = LossMaskGPTDataset  # GPTDataset's samples for a prefix without a sidecar
+    else:
+        cls = GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
 
@@ -339,8 +348,14 @@ def _split_hint(flag: str, i: int) -> str:
 def check_data(parser, args: argparse.Namespace) -> None:
     """The start-up check of the data flags (``validate_args`` calls it; mock data passes): every
     prefix of ``--data-path`` / ``--train/valid/test-data-path`` (blends' weights skipped) is a
-    complete indexed dataset (``check_indexed_dataset``) and every split can be built
-    (``check_splits``). A failure is ``parser.error`` (usage, the message, exit status 2)."""
+    complete indexed dataset (``check_indexed_dataset``), every split can be built
+    (``check_splits``) and, with ``--subq-loss-mask-data``, the sidecars are sound
+    (``check_loss_mask_sidecars``). A failure is ``parser.error`` (usage, the message, exit
+    status 2)."""
+    loss_mask = getattr(args, "subq_loss_mask_data", False)
+    if loss_mask and _object_storage(args):
+        parser.error(f"{LOSS_MASK_FLAG} reads the sidecars PREFIX_lossmask.bin/.idx beside local "
+                     "prefixes; object-storage prefixes (s3://, msc://) are not supported with it")
     if args.mock_data or _object_storage(args):
         return  # s3:// / msc:// prefixes: megatron reads them through its own cache
     try:
@@ -352,5 +367,7 @@ def check_data(parser, args: argparse.Namespace) -> None:
                     if prefix not in infos:
                         infos[prefix] = check_indexed_dataset(prefix, _flag(name))
         check_splits(args, parser, infos)
+        if loss_mask:
+            check_loss_mask_sidecars(infos)
     except ValueError as e:
         parser.error(str(e))
