@@ -28,8 +28,13 @@ CORPUS = os.environ.get("SUBQ_CORPUS") or os.path.join(ROOT, "..", "shared", "da
 
 
 def _script(tmp_path, *args, **env):
+    """The script in the CPU dry mode with WORK, OUT and PARTS_DIR (where it looks for carried
+    .nano-base.tgz.a*: an empty folder of the test unless given) under ``tmp_path``, so that
+    parts a two-call run left in the repo root change nothing here."""
+    parts = env.pop("PARTS_DIR", str(tmp_path / "parts"))
+    os.makedirs(parts, exist_ok=True)
     full = dict(os.environ, WORK=str(tmp_path / "work"), OUT=str(tmp_path / "out"), DRY="1",
-                SUBQ_CORPUS=CORPUS, **env)
+                SUBQ_CORPUS=CORPUS, PARTS_DIR=parts, **env)
     return subprocess.run(["bash", os.path.join(ROOT, "tools", "gpu_nano_evidence.sh"), *args],
                           cwd=ROOT, env=full, capture_output=True, text=True, timeout=1800)
 
@@ -247,8 +252,6 @@ def test_warm_only_runs_each_variant_once_in_turn(tmp_path, exits, want):
 def test_bad_stage_fails_before_anything_runs(tmp_path, stage, err):
     """An unknown STAGE, or STAGE=arms or base-more without the carried parts in the repo root,
     stops the script with exit 2 naming the variable, before WORK or OUT exist."""
-    if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
-        pytest.skip("carried parts in the repo root (a two-call run in progress)")
     p = _script(tmp_path, STAGE=stage)
     assert p.returncode == 2, p.stdout + p.stderr
     assert err in p.stderr
@@ -382,30 +385,27 @@ def test_evidence_model_fits_two_parts():
     assert f"{params:,} parameters" in text
 
 
-def _carry(out, copied):
-    """The parts of a call's $OUT copied into the repo root as .nano-base.tgz.a* (over those of
-    the call before: removed first), their paths appended to ``copied``."""
-    for f in copied:
-        if os.path.exists(f):
-            os.remove(f)
-    del copied[:]
+def _carry(out, parts):
+    """The parts of a call's $OUT copied into ``parts`` (the next call's PARTS_DIR) as
+    .nano-base.tgz.a*, over those of the call before (removed first)."""
+    os.makedirs(parts, exist_ok=True)
+    for f in os.listdir(parts):
+        os.remove(os.path.join(parts, f))
     for f in sorted(os.listdir(out)):
         if f.startswith("nano-base.tgz.a"):
-            copied.append(os.path.join(ROOT, "." + f))
-            subprocess.run(["cp", str(out / f), copied[-1]], check=True)
+            subprocess.run(["cp", str(out / f), os.path.join(parts, "." + f)], check=True)
 
 
 @pytest.mark.slow
 def test_dry_two_calls_chain(tmp_path):
     """STAGE=base, then STAGE=base-more, then STAGE=arms in the CPU dry mode: call A leaves the
     base's parts (and no arm), its summary says whether the base retrieves; with the parts
-    copied into the repo root as .nano-base.tgz.a*, call M (a fresh WORK) trains the carried
+    copied as .nano-base.tgz.a* into the next call's PARTS_DIR, call M (a fresh WORK) trains
+    the carried
     base one more round (no random model, no tokenizer; its NIAH data of another seed) and
     leaves new parts whose base.json says round 2 and the iterations of both rounds; with those
     copied over A's, call B imports both arms from the round-2 base without training a base,
     and its summary has before/after rows per arm."""
-    if [f for f in os.listdir(ROOT) if f.startswith(".nano-base.tgz.a")]:
-        pytest.skip("carried parts in the repo root already")
     a = _script(tmp_path / "a", CALL_LIMIT="1700", STAGE="base")
     assert a.returncode == 0, a.stdout[-4000:] + a.stderr[-4000:]
     out_a = tmp_path / "a" / "out"
@@ -418,17 +418,13 @@ def test_dry_two_calls_chain(tmp_path):
     seed = ne.read_settings(dry=True)["base"]["niah"]["seed"]
     assert meta_a["round"] == 1 and meta_a["niah_seed"] == seed and meta_a["stage"] == "base"
     assert meta_a["cumulative_iters"] == meta_a["done"] > 0
-    copied = []
-    try:
-        _carry(out_a, copied)
-        m = _script(tmp_path / "m", CALL_LIMIT="1700", STAGE="base-more")
-        assert m.returncode == 0, m.stdout[-4000:] + m.stderr[-4000:]
-        out_m = tmp_path / "m" / "out"
-        _carry(out_m, copied)
-        b = _script(tmp_path / "b", CALL_LIMIT="1700")  # no STAGE: the parts mean arms
-    finally:
-        for f in copied:
-            os.remove(f)
+    parts = str(tmp_path / "carried")
+    _carry(out_a, parts)
+    m = _script(tmp_path / "m", CALL_LIMIT="1700", STAGE="base-more", PARTS_DIR=parts)
+    assert m.returncode == 0, m.stdout[-4000:] + m.stderr[-4000:]
+    out_m = tmp_path / "m" / "out"
+    _carry(out_m, parts)
+    b = _script(tmp_path / "b", CALL_LIMIT="1700", PARTS_DIR=parts)  # no STAGE: parts mean arms
     # call M: the carried base trained further, packed again
     assert sorted(os.listdir(out_m)) == ["nano-base.tgz.aa", "nano-evidence.md",
                                         "nano-evidence.tgz"]

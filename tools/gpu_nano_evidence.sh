@@ -55,8 +55,9 @@
 # an unknown name stops the script (exit 2) before anything is written.
 # DRY=1 (implied without nvidia-smi): the same pipeline at CPU sizes (evidence.yaml's dry block:
 # a tiny NemotronH, lengths 256/512/1024, a few steps) in a few minutes.
-# Knobs: CALL_T0 (the call's start, epoch s; default now), CALL_LIMIT (570 s from CALL_T0, the
-# wheels' install included), RESERVE (20 s kept for the summary and the tarball), OUT
+# Knobs: PARTS_DIR (where the carried .nano-base.tgz.a* are; the repo root), CALL_T0 (the
+# call's start, epoch s; default now), CALL_LIMIT (570 s from CALL_T0, the wheels' install
+# included), RESERVE (20 s kept for the summary and the tarball), OUT
 # (runs/nano-evidence-out), WORK (runs/nano-evidence; replaced when it holds an earlier run),
 # BASE_ITERS / STAGE_ITERS=A,B,C / FIXED_ITERS=1 (iterations instead of sizing them to the clock),
 # WARM_ONLY=1 (the tokenizer, the random model and the compile warm-ups of every arm's variant,
@@ -76,14 +77,17 @@ WORK=${WORK:-runs/nano-evidence}
 dry_flag=${DRY:+--dry}
 # bad input stops here, before anything is written
 STAGE=${STAGE:-}
-parts=$(compgen -G ".nano-base.tgz.a*" | sort | tr '\n' ' ')
+# the carried base's parts: .nano-base.tgz.a* in PARTS_DIR (default the repo root, where the
+# device call's carry puts them; tests give their own folder)
+PARTS_DIR=${PARTS_DIR:-.}
+parts=$(compgen -G "$PARTS_DIR/.nano-base.tgz.a*" | sort | tr '\n' ' ')
 case "$STAGE" in
   "") if [ -n "$parts" ]; then STAGE=arms; echo "STAGE=arms: the carried base's parts $parts"; fi ;;
   base) ;;
   arms|base-more) if [ -z "$parts" ]; then
-          echo "error: STAGE=$STAGE needs the base's parts .nano-base.tgz.aa, ... in the repo" \
-               "root (\$OUT/nano-base.tgz.a* of a STAGE=base or base-more call, copied with a" \
-               "leading dot)" >&2; exit 2
+          echo "error: STAGE=$STAGE needs the base's parts .nano-base.tgz.aa, ... in" \
+               "PARTS_DIR=$PARTS_DIR (\$OUT/nano-base.tgz.a* of a STAGE=base or base-more call," \
+               "copied with a leading dot)" >&2; exit 2
         fi ;;
   *) echo "error: STAGE=$STAGE: allowed base, base-more, arms (or unset: one call, or arms when" \
           ".nano-base.tgz.a* are present)" >&2; exit 2 ;;
