@@ -401,8 +401,7 @@ def test_dry_two_calls_chain(tmp_path):
     """STAGE=base, then STAGE=base-more, then STAGE=arms in the CPU dry mode: call A leaves the
     base's parts (and no arm), its summary says whether the base retrieves; with the parts
     copied as .nano-base.tgz.a* into the next call's PARTS_DIR, call M (a fresh WORK) trains
-    the carried
-    base one more round (no random model, no tokenizer; its NIAH data of another seed) and
+    the carried base one more round (no random model, no tokenizer; NIAH of another seed) and
     leaves new parts whose base.json says round 2 and the iterations of both rounds; with those
     copied over A's, call B imports both arms from the round-2 base without training a base,
     and its summary has before/after rows per arm."""
