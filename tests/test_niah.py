@@ -174,6 +174,12 @@ def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, 
         assert len(tokens[i]) == len(mask[i]) == n
         assert mask[i].tolist() == [0] * r["prompt_tokens"] + [1] * r["answer_tokens"] + [0]
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # no temporary left
+    # what the trainer's --subq-loss-mask-data reads
+    from megatron_subq.training import loss_mask_data
+    prefix = str(tmp_path / "ans_text_document")
+    assert loss_mask_data.has_sidecar(prefix)
+    loss_mask_data.check_sidecar(prefix, tokens.sequence_lengths)  # the trainer's start-up check
+    assert niah.LOSS_MASK_SUFFIX == loss_mask_data.SUFFIX
 
 
 def _bad(capsys, argv, *words):

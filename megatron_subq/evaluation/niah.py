@@ -627,7 +627,7 @@ def write_jsonl(path: str, records: Iterable[dict]) -> None:
             os.remove(tmp)
 
 
-LOSS_MASK_SUFFIX = "_lossmask"  # the trainer's --subq-loss-mask-data sidecar: PREFIX + this
+LOSS_MASK_SUFFIX = "_lossmask"  # training/loss_mask_data.SUFFIX (a test checks they agree)
 
 
 def write_answer_masked(prefix: str, samples: Sequence[NiahSample], tokenizer) -> dict:
