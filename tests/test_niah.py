@@ -126,13 +126,20 @@ def test_long_prompts_fit_a_fine_byte_level_bpe(tmp_path):
     assert len(tok.tokenize(s.prompt)) == 8192 and s.prompt.count(s.query_value) == 1
 
 
-def test_train_format_and_flag_grids(tmp_path, hf_dir):
+def _generate(hf_dir, folder, lengths, depths, seed, formats=("eval", "train")):
+    """tools/niah.py generate of one grid in each format: eval.jsonl, train.jsonl, and (format
+    train-answer) the prefix ``ans``."""
     common = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir,
-              "--lengths", "500", "--depths", "0,50,...,100", "--seed", "3", "--corpus", CORPUS,
+              "--lengths", lengths, "--depths", depths, "--seed", str(seed), "--corpus", CORPUS,
               "--no-progress"]
-    niah_tool.main(["generate", *common, "--output", str(tmp_path / "eval.jsonl")])
-    niah_tool.main(["generate", *common, "--output", str(tmp_path / "train.jsonl"), "--format",
-                    "train"])
+    names = {"eval": "eval.jsonl", "train": "train.jsonl", "train-answer": "ans"}
+    for fmt in formats:
+        niah_tool.main(["generate", *common, "--output", str(folder / names[fmt]),
+                        "--format", fmt])
+
+
+def test_train_format_and_flag_grids(tmp_path, hf_dir):
+    _generate(hf_dir, tmp_path, "500", "0,50,...,100", 3)
     evals = [json.loads(x) for x in open(tmp_path / "eval.jsonl", encoding="utf-8")]
     train = [json.loads(x) for x in open(tmp_path / "train.jsonl", encoding="utf-8")]
     assert [r["depth"] for r in evals] == [0, 50, 100]
@@ -151,14 +158,7 @@ def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, 
 
     from tools import preprocess_data
 
-    common = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir,
-              "--lengths", "300,500", "--depths", "0,100", "--seed", "5", "--corpus", CORPUS,
-              "--no-progress"]
-    niah_tool.main(["generate", *common, "--output", str(tmp_path / "eval.jsonl")])
-    niah_tool.main(["generate", *common, "--output", str(tmp_path / "train.jsonl"), "--format",
-                    "train"])
-    niah_tool.main(["generate", *common, "--output", str(tmp_path / "ans"), "--format",
-                    "train-answer"])
+    _generate(hf_dir, tmp_path, "300,500", "0,100", 5, ("eval", "train", "train-answer"))
     preprocess_data.main(["--input", str(tmp_path / "train.jsonl"), "--output-prefix",
                           str(tmp_path / "pre"), "--tokenizer-type", "HuggingFaceTokenizer",
                           "--tokenizer-model", hf_dir, "--workers", "1", "--no-progress"])
