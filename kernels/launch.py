@@ -1,10 +1,10 @@
 """Kernel launches without Triton's per-call binding: ``fast(kernel)[grid](**kwargs)``.
 
 ``JITFunction.run`` binds every argument, specialises each (dtype, 16-byte alignment, integer
-value classes), hashes the result and looks the compiled kernel up on every launch: ~40-85 µs of
-host time per launch of a kernel with ~45 arguments (cProfile on an H200, Triton 3.6,
-docs/benchmarks.md "ASA at head dim 512"), which is what keeps a short op's eager time above
-its CUDA-graph time. ``fast`` keeps the kernel Triton returned for a launch under a key that is
+value classes), hashes the result and looks the compiled kernel up on every launch: with ~45
+arguments, ~85 µs per launch under cProfile (H200, Triton 3.6), and ``fast`` saved ~27 µs per
+launch in ASA's eager forward at 2K (0.289 -> 0.207 ms, 3 launches; docs/benchmarks.md "ASA at
+head dim 512"). ``fast`` keeps the kernel Triton returned for a launch under a key that is
 at least as fine as Triton's own specialisation (tensors: dtype, device, data pointer mod 16;
 integers and bools: their exact values; floats: their type; constexprs and launch options: their
 values; the current device) and relaunches it through ``CompiledKernel.run`` when the key
