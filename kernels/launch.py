@@ -32,8 +32,10 @@ MAX_KEYS = 256  # compiled kernels remembered per kernel (shapes x dtypes x conf
 _OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
+@functools.lru_cache(maxsize=None)
 def _knobs():
-    """Triton's runtime knobs (>= 3.3: where the launch hooks live), or None before that."""
+    """Triton's runtime knobs (>= 3.3: where the launch hooks live; the hooks are read from it
+    at each launch), or None before that. Looked up once: every launch asks."""
     try:
         from triton import knobs  # noqa: PLC0415
         return knobs.runtime

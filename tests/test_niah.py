@@ -156,6 +156,7 @@ def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, 
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    from megatron_subq.training import loss_mask_data
     from tools import preprocess_data
 
     _generate(hf_dir, tmp_path, "300,500", "0,100", 5, ("eval", "train", "train-answer"))
@@ -164,8 +165,9 @@ def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, 
                           "--tokenizer-model", hf_dir, "--workers", "1", "--no-progress"])
     evals = [json.loads(x) for x in open(tmp_path / "eval.jsonl", encoding="utf-8")]
     pre = IndexedDataset(str(tmp_path / "pre_text_document"))
-    tokens = IndexedDataset(str(tmp_path / "ans_text_document"))
-    mask = IndexedDataset(str(tmp_path / ("ans_text_document" + niah.LOSS_MASK_SUFFIX)))
+    prefix = str(tmp_path / "ans_text_document")
+    tokens = IndexedDataset(prefix)
+    mask = IndexedDataset(loss_mask_data.sidecar_prefix(prefix))
     assert len(tokens) == len(mask) == len(pre) == len(evals) == 4
     assert mask[0].dtype == numpy.uint8
     for i, r in enumerate(evals):
@@ -175,11 +177,8 @@ def test_train_answer_format_is_preprocess_tokens_with_an_answer_mask(tmp_path, 
         assert mask[i].tolist() == [0] * r["prompt_tokens"] + [1] * r["answer_tokens"] + [0]
     assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]  # no temporary left
     # what the trainer's --subq-loss-mask-data reads
-    from megatron_subq.training import loss_mask_data
-    prefix = str(tmp_path / "ans_text_document")
     assert loss_mask_data.has_sidecar(prefix)
     loss_mask_data.check_sidecar(prefix, tokens.sequence_lengths)  # the trainer's start-up check
-    assert niah.LOSS_MASK_SUFFIX == loss_mask_data.SUFFIX
 
 
 def _bad(capsys, argv, *words):

@@ -395,7 +395,6 @@ class Run:
                  skip=0) -> List[str]:
         # train-answer writes OUT_PREFIX_text_document and its loss-mask sidecar itself
         out = out_prefix if fmt == "train-answer" else out_prefix + ".jsonl"
-        jsonl = out
         gen = [PY, "tools/niah.py", "generate", "--tokenizer-type", "HuggingFaceTokenizer",
                "--tokenizer-model", tok, "--lengths", ",".join(str(n) for n in lengths),
                "--depths", str(depths), "--samples-per-cell", str(per_cell), "--seed", str(seed),
@@ -405,7 +404,7 @@ class Run:
             gen += ["--skip-documents", str(skip)]
         if fmt != "train":
             return gen
-        prep = [PY, "tools/preprocess_data.py", "--input", jsonl, "--output-prefix", out_prefix,
+        prep = [PY, "tools/preprocess_data.py", "--input", out, "--output-prefix", out_prefix,
                 "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tok,
                 "--workers", str(self.workers), "--no-progress"]
         return ["bash", "-c", f"{shlex.join(gen)} && {shlex.join(prep)}"]
@@ -432,6 +431,18 @@ class Run:
         self.step("prep (tokenizer, random NemotronH)", start, "ok")
         return jobs
 
+    def _read_carried(self, hf: str, folder: str, unpack: str) -> dict:
+        """The carried base of STAGE=arms / base-more: its HF folder ``hf`` must hold
+        config.json (else an EvidenceError naming the ``unpack`` command that puts it there);
+        ``folder``/base.json (empty when missing) is returned, its model description kept."""
+        if not os.path.isfile(os.path.join(hf, "config.json")):
+            raise EvidenceError(f"STAGE={self.stage}: no carried base in {hf} (config.json "
+                                f"missing): unpack the .nano-base.tgz.a* parts first ({unpack})")
+        meta = os.path.join(folder, "base.json")
+        carried = json.load(open(meta, encoding="utf-8")) if os.path.isfile(meta) else {}
+        self.info["model"] = carried.get("model", {})
+        return carried
+
     def _prep_carried(self) -> Dict[str, Job]:
         """STAGE=arms: the base carried from a STAGE=base or base-more call (unpacked into
         WORK/base by ``unpack-base``) stands for the random model and the base training: its HF
@@ -439,12 +450,7 @@ class Run:
         rounds and the measured tokens/s the stages are sized from."""
         start = time.time()
         hf = os.path.join(self.base, "hf")
-        if not os.path.isfile(os.path.join(hf, "config.json")):
-            raise EvidenceError(f"STAGE=arms: no carried base in {hf} (config.json missing): "
-                                "unpack the .nano-base.tgz.a* parts first (unpack-base)")
-        meta = os.path.join(self.base, "base.json")
-        carried = json.load(open(meta, encoding="utf-8")) if os.path.isfile(meta) else {}
-        self.info["model"] = carried.get("model", {})
+        carried = self._read_carried(hf, self.base, "unpack-base")
         self.info["iterations"]["base"] = {**carried.get("base", {}), "carried": True}
         self.info["base_niah"] = carried.get("niah")
         self.log(f"prep: the carried base in {hf} ({rounds_label(carried.get('base', {}))})")
@@ -462,13 +468,7 @@ class Run:
         tokenizer the data's, its base.json the rounds so far (this call trains the next one,
         its NIAH samples from the base NIAH seed + round - 1: new ones each round)."""
         start = time.time()
-        if not os.path.isfile(os.path.join(self.base_src, "config.json")):
-            raise EvidenceError(f"STAGE=base-more: no carried base in {self.base_src} "
-                                "(config.json missing): unpack the .nano-base.tgz.a* parts "
-                                "first (unpack-base --stage base-more)")
-        meta = os.path.join(self.carried, "base.json")
-        carried = json.load(open(meta, encoding="utf-8")) if os.path.isfile(meta) else {}
-        self.info["model"] = carried.get("model", {})
+        carried = self._read_carried(self.base_src, self.carried, "unpack-base --stage base-more")
         self.prev_base = carried.get("base", {})
         self.round = base_rounds(self.prev_base)["round"] + 1
         self.log(f"prep: the carried base in {self.base_src} ({rounds_label(self.prev_base)}); "

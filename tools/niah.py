@@ -142,7 +142,7 @@ def cmd_generate(args, parser) -> dict:
         info = niah.write_answer_masked(args.output, out, tokenizer)
         print(f"niah: wrote {info['samples']} samples ({info['tokens']} tokens, "
               f"{info['answer_tokens']} of them answers in the loss mask) to {info['prefix']} "
-              f"and {info['prefix']}{niah.LOSS_MASK_SUFFIX}")
+              f"and {info['mask_prefix']}")
         return {"samples": info["samples"], "output": info["prefix"]}
     if args.format == "train":
         records = [{"text": s.prompt + s.answer} for s in out]

@@ -627,9 +627,6 @@ def write_jsonl(path: str, records: Iterable[dict]) -> None:
             os.remove(tmp)
 
 
-LOSS_MASK_SUFFIX = "_lossmask"  # training/loss_mask_data.SUFFIX (a test checks they agree)
-
-
 def write_answer_masked(prefix: str, samples: Sequence[NiahSample], tokenizer) -> dict:
     """Training samples as a megatron indexed dataset ``PREFIX_text_document`` (each sample's
     prompt + answer tokens, then EOD) and its loss-mask sidecar ``PREFIX_text_document_lossmask``
@@ -642,10 +639,12 @@ def write_answer_masked(prefix: str, samples: Sequence[NiahSample], tokenizer) -
     import numpy  # noqa: PLC0415
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: PLC0415
 
+    from ..training.loss_mask_data import sidecar_prefix  # noqa: PLC0415
+
     if not samples:
         raise ValueError("write_answer_masked: no samples")
     base = f"{prefix}_text_document"
-    names = {"tokens": base, "mask": base + LOSS_MASK_SUFFIX}
+    names = {"tokens": base, "mask": sidecar_prefix(base)}
     tmp = {k: (_atomic_path(v + ".bin"), _atomic_path(v + ".idx")) for k, v in names.items()}
     builders = {"tokens": IndexedDatasetBuilder(tmp["tokens"][0],
                                                 dtype=DType.optimal_dtype(tokenizer.vocab_size)),
@@ -674,7 +673,7 @@ def write_answer_masked(prefix: str, samples: Sequence[NiahSample], tokenizer) -
                 if os.path.exists(path):
                     os.remove(path)
     return {"samples": len(samples), "tokens": tokens, "answer_tokens": answer_tokens,
-            "prefix": base}
+            "prefix": base, "mask_prefix": names["mask"]}
 
 
 def write_json(path: str, data: dict) -> None:
