@@ -2,6 +2,7 @@
 check of the kernels' 32-bit offsets, and the launch configs' environment overrides."""
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -42,6 +43,27 @@ def env_overrides(cfg, env: str):
         raise ValueError(f"${env}={text}: unknown launch field(s) {unknown}; allowed "
                          f"{allowed}")
     return dataclasses.replace(cfg, **overrides)
+
+
+def cached_config(env: str):
+    """Decorator for a kernel's ``launch_config(...)``: computed once per arguments, per
+    interpreter flag (``$TRITON_INTERPRET``) and per text of ``$env`` (its JSON overrides, which
+    the function applies with ``env_overrides``), so that sweeps still take effect when the
+    variable changes. Why: a config is a frozen dataclass of ~30 fields built and replaced on
+    every call, ~75 µs of host time per forward on an H200 host (tools/host_overhead.py,
+    2026-11-27), in an op whose GPU time at 2K is ~200 µs. Errors are not cached (raised again)."""
+    def wrap(fn):
+        @functools.lru_cache(maxsize=1024)
+        def cached(interpreting, text, args, kwargs):
+            return fn(*args, **dict(kwargs))
+
+        @functools.wraps(fn)
+        def launch_config(*args, **kwargs):
+            return cached(os.environ.get("TRITON_INTERPRET", "0") == "1", os.environ.get(env),
+                          args, tuple(sorted(kwargs.items())))
+        launch_config.cache_clear = cached.cache_clear
+        return launch_config
+    return wrap
 
 
 def check_int32_offsets(op: str, **sizes: int) -> None:

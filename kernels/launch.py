@@ -6,22 +6,30 @@ arguments, ~85 µs per launch under cProfile (H200, Triton 3.6), and ``fast`` sa
 launch in ASA's eager forward at 2K (0.289 -> 0.207 ms, 3 launches; docs/benchmarks.md "ASA at
 head dim 512"). ``fast`` keeps the kernel Triton returned for a launch under a key that is
 at least as fine as Triton's own specialisation (tensors: dtype, device, data pointer mod 16;
-integers and bools: their exact values; floats: their type; constexprs and launch options: their
-values; the current device) and relaunches it through ``CompiledKernel.run`` when the key
-recurs, as Triton's own ``run`` does at its end (Triton >= 3.3: every parameter in signature
-order, the runtime launch hooks). A key it has not seen goes through ``kernel[grid]`` (which
-compiles or finds the kernel) and is remembered (at most ``MAX_KEYS`` per kernel).
+integers, bools, strings and other constexprs: their types and exact values; floats: their
+type; the launch options: their values; the current device) and relaunches it through
+``CompiledKernel.run`` when the key recurs, as Triton's own ``run`` does at its end (Triton >=
+3.3: every parameter in signature order, the runtime launch hooks when any is set). Tensors go
+to the launcher as their data pointers (integers): the launcher then neither calls
+``data_ptr()`` on each nor asks the driver whether it is a device pointer
+(``cuPointerGetAttribute``, once per pointer argument per launch); a tensor Triton refused (a
+CPU tensor) never got a key, and the key holds each tensor's device. A key it has not seen goes
+through ``kernel[grid]`` (which compiles or finds the kernel) and is remembered (at most
+``MAX_KEYS`` per kernel). The per-call-site work (which keyword is which parameter, which are
+tensors) is planned once per keyword order and argument types (``_Plan``).
 
 Always the plain ``kernel[grid]`` path: a grid given as a callable, positional arguments, a
 kernel object that is not a compiled Triton kernel (the interpreter, ``TRITON_INTERPRET=1``,
-returns none), Triton before 3.3, or ``MEGATRON_SUBQ_FAST_LAUNCH=0`` (read per launch: an A/B
-knob). Default on.
+returns none, so nothing is remembered), Triton before 3.3, no CUDA, or
+``MEGATRON_SUBQ_FAST_LAUNCH=0`` (read per launch: an A/B knob). Default on.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import operator
 import os
 from typing import Callable, Dict, Optional
 
@@ -48,26 +56,62 @@ def _current_stream(device: int) -> int:
     return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
 
 
-_UNCACHEABLE = object()
+class _Plan:
+    """How one call site's keyword order maps onto the kernel's parameters, made once per order
+    (``tuple(kwargs)``): ``pick`` gathers every parameter in signature order from the kwargs'
+    values followed by ``extra`` (the defaults not given), then the launch options given.
+    Per distinct tuple of argument types, ``split`` caches which positions hold tensors and
+    which hold scalars that key by value (everything but floats, which Triton specialises by
+    type only)."""
+
+    __slots__ = ("pick", "extra", "n", "split")
+
+    def __init__(self, names: tuple, defaults: dict, order: tuple):
+        if any(n not in names and n not in _OPTIONS for n in order):
+            raise KeyError("an argument that is neither a parameter nor a launch option")
+        pos = {n: i for i, n in enumerate(order)}
+        extra, idx = [], []
+        for n in names:
+            if n in pos:
+                idx.append(pos[n])
+            else:  # KeyError when neither given nor defaulted: Triton's own error, plain path
+                extra.append(defaults[n])
+                idx.append(len(order) + len(extra) - 1)
+        idx += [pos[o] for o in _OPTIONS if o in pos]
+        self.pick = _getter(idx)
+        self.extra = tuple(extra)
+        self.n = len(names)
+        self.split: dict = {}
+
+    def positions(self, types: tuple):
+        """(tensor positions, their getter, the getter of the by-value scalars) for ``types``."""
+        got = self.split.get(types)
+        if got is None:
+            tensors = [i for i, t in enumerate(types) if issubclass(t, torch.Tensor)]
+            scalars = [i for i, t in enumerate(types)
+                       if not issubclass(t, (torch.Tensor, float))]
+            got = self.split[types] = (tuple(tensors), _getter(tensors), _getter(scalars))
+        return got
 
 
-def _arg_key(x):
-    """The part of the cache key for one argument (see the module docstring); ``_UNCACHEABLE``
-    for an argument of no hashable value."""
-    c = x.__class__
-    if c is int or c is str or x is None:
-        return x
-    if c is bool:  # not equal to 1 / 0 here: Triton types a bool apart from an int
-        return ("bool", x)
-    if isinstance(x, torch.Tensor):
-        return (x.dtype, x.device, x.data_ptr() % 16)
-    if isinstance(x, float):
-        return float
-    try:  # constexprs of other types (tl.dtype, ...): by value
-        hash(x)
-        return x
-    except TypeError:
-        return _UNCACHEABLE
+def _getter(idx: list):
+    """A function of a sequence returning the tuple of its items at ``idx`` (any length)."""
+    if not idx:
+        return lambda seq: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*idx)
+
+
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_PTR = torch.Tensor.data_ptr
+
+
+def _active(hook):
+    """The hook, or None when it is Triton's empty ``HookChain`` (>= 3.6: never None, so every
+    launch would build the launch metadata for nothing)."""
+    return None if hook is None or getattr(hook, "calls", True) == [] else hook
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,6 +128,7 @@ class FastLaunch:
         self.names: Optional[tuple] = None  # the parameters, read on the first fast launch
         self.defaults: dict = {}
         self.compiled: Dict[tuple, object] = {}
+        self.plans: Dict[tuple, _Plan] = {}
 
     def _signature(self) -> bool:
         """Read the kernel's parameters once; False when it has no Python signature (a test's
@@ -99,36 +144,66 @@ class FastLaunch:
                              if p.default is not inspect.Parameter.empty}
         return bool(self.names)
 
+    def _plan(self, kwargs: dict) -> Optional[_Plan]:
+        """The plan of this keyword order, made and remembered; None (the plain path, every
+        time) for Triton before 3.3, a kernel without a Python signature, or an argument that
+        is unknown or missing (Triton raises its own error)."""
+        if _knobs() is None or not self._signature():
+            return None
+        try:
+            plan = _Plan(self.names, self.defaults, tuple(kwargs))
+        except KeyError:
+            return None
+        self.plans[tuple(kwargs)] = plan
+        return plan
+
     def __getitem__(self, grid) -> Callable:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict):
-        hooks = _knobs()
-        if (args or callable(grid) or hooks is None or os.environ.get(ENV, "1") == "0"
-                or os.environ.get("TRITON_INTERPRET") == "1" or not _cuda()
-                or not self._signature()):
+        if args or callable(grid) or os.environ.get(ENV, "1") == "0" or not _cuda():
             return self.kernel[grid](*args, **kwargs)
-        try:
-            values = [kwargs[n] if n in kwargs else self.defaults[n] for n in self.names]
-        except KeyError:  # a parameter neither given nor defaulted: Triton's own error
-            return self.kernel[grid](*args, **kwargs)
+        plan = self.plans.get(tuple(kwargs))
+        if plan is None:
+            plan = self._plan(kwargs)
+            if plan is None:  # no fast path for this kernel or these arguments
+                return self.kernel[grid](*args, **kwargs)
+        picked = plan.pick((*kwargs.values(), *plan.extra))
+        values = picked[:plan.n]  # the parameters in signature order; then the launch options
+        types = tuple(map(type, values))
+        tensor_pos, tensors_of, scalars_of = plan.positions(types)
+        tensors = tensors_of(values)
+        ptrs = tuple(map(_PTR, tensors))
         device = torch.cuda.current_device()
-        key = (device, tuple(kwargs.get(o) for o in _OPTIONS), tuple(map(_arg_key, values)))
-        compiled = self.compiled.get(key)
+        try:  # the plan stands for the options given (its order), picked[n:] for their values
+            key = (device, id(plan), picked[plan.n:], types, scalars_of(values),
+                   tuple(map(_DTYPE, tensors)), tuple(map(_DEVICE, tensors)),
+                   tuple(map(operator.and_, ptrs, itertools.repeat(15))))
+            compiled = self.compiled.get(key)
+        except TypeError:  # an unhashable constexpr: no key
+            return self.kernel[grid](**kwargs)
         if compiled is None:
             compiled = self.kernel[grid](**kwargs)
             if (getattr(compiled, "run", None) is not None and hasattr(compiled, "function")
-                    and _UNCACHEABLE not in key[2] and len(self.compiled) < MAX_KEYS):
+                    and len(self.compiled) < MAX_KEYS):
                 self.compiled[key] = compiled
             return compiled
         g0 = grid[0]
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         stream = _current_stream(device)
-        enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-        meta = None if enter is None else compiled.launch_metadata(grid, stream, *values)
+        hooks = _knobs()
+        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        meta = (None if enter is None and leave is None
+                else compiled.launch_metadata(grid, stream, *values))
+        # pointers as integers: the launcher then neither calls data_ptr() nor asks the driver
+        # whether each pointer is a device pointer (cuPointerGetAttribute); the key holds every
+        # tensor's device, and a tensor Triton refused never got a key
+        launch_values = list(values)
+        for i, p in zip(tensor_pos, ptrs):
+            launch_values[i] = p
         compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
-                     enter, leave, *values)
+                     enter, leave, *launch_values)
         return compiled
 
 
@@ -147,3 +222,9 @@ def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for host integers (``triton.cdiv`` is a constexpr function whose call
     costs ~2 µs of host time in Triton 3.9)."""
     return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (n >= 1) for host integers: ``triton.next_power_of_2``
+    without its constexpr-function wrapper (~2 µs per call on the host)."""
+    return 1 << (n - 1).bit_length()

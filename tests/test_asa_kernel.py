@@ -277,7 +277,7 @@ def test_launch_options_prefill_and_decode(normalize, monkeypatch):
 # the default (every option on), all off, and each option alone: (_chunk_states, _scan,
 # _scan_pair) calls in fwd + bwd. scan_block=8 splits S (12 x 16 values) into 24 blocks and z
 # (12) into 2, behind them
-OFF = '"keep_states": false, "fused_scan": false, "r_kernel": false'
+OFF = '"keep_states": false, "fused_scan": false, "r_kernel": false, "r_fused": false'
 LAUNCH_ALONE = {
     "default": ("{}", (1, 0, 2)),
     "all-off": ("{%s}" % OFF, (2, 6, 0)),
@@ -295,6 +295,24 @@ def test_launch_option_r_kernel(shape, monkeypatch):
     assert calls == {"_linear_r": 1}
     _compare(shape, "mean", torch.float32)  # no r outside the linear normalisation
     assert calls == {"_linear_r": 1}
+
+
+@pytest.mark.parametrize("launch,r_launches", [
+    ("{}", 0),                      # the default: r from the delta kernel (Dv in one block)
+    ('{"BV_delta": 16}', 1),         # Dv = 24 in two delta blocks: asa_bwd_r_kernel
+    ('{"r_fused": false}', 1),
+    ('{"scan": "sequential"}', 1),   # no delta kernel in the backward
+])
+def test_launch_option_r_fused(launch, r_launches, monkeypatch):
+    """r = −(dO·o)/den computed by the backward's delta kernel (cfg r_fused) where one delta
+    block holds all of Dv; every gradient as the reference either way, GQA and batch > 1."""
+    monkeypatch.setenv(LAUNCH_ENV, launch)
+    calls = _count_calls(monkeypatch, names=("_linear_r",))
+    delta = record_launches(monkeypatch, KERNEL.function, "asa_chunk_delta_kernel")
+    _compare((2, 130, 4, 2, 32, 16, 24), "linear", torch.float32)
+    assert calls == {"_linear_r": r_launches}
+    fused = [kw["R_FUSED"] for kw in delta if kw["BACKWARD"]]
+    assert fused == ([] if "sequential" in launch else [r_launches == 0])
 
 
 # row blocks (cfg bwd_rows, out_rows): gradient and output programs of RB rows that meet the
@@ -436,7 +454,7 @@ def test_d_tiles_default_and_bounds(monkeypatch):
     that is not a power of two ≥ 16 refused."""
     launch = KERNEL.function.launch_config
     assert launch(512, 64, 512, torch.bfloat16).BDT == 512  # the interpreter here
-    monkeypatch.setattr(KERNEL.function, "triton_interpreting", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled configs (only configs are built)
     for d, bdt in ((64, 64), (128, 128), (256, 256), (512, 128), (48, 64)):
         cfg = launch(d, 64, d, torch.bfloat16)
         assert (cfg.BD, cfg.BDT) == (triton.next_power_of_2(max(d, 16)), bdt)

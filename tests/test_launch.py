@@ -72,9 +72,9 @@ def test_second_launch_of_a_key_relaunches_the_compiled_kernel(fake_gpu):
     assert again is first and len(k.plain) == 1
     # Triton's run: grid as three numbers, the stream, the handle, the packed metadata, the
     # launch metadata (None without hooks), the hooks, then every parameter in signature order
-    # (defaults filled in, constexprs included)
+    # (defaults filled in, constexprs included), tensors as their data pointers
     assert first.runs == [(5, 1, 1, 1234, "fn-handle", "packed", None, None, None,
-                           x, 64, 0.25, True, 8, "a")]
+                           x.data_ptr(), 64, 0.25, True, 8, "a")]
 
 
 @pytest.mark.parametrize("change", ["int", "dtype", "alignment", "bool-for-int", "constexpr",
@@ -111,9 +111,27 @@ def test_plain_path_cases(fake_gpu, monkeypatch):
     monkeypatch.setenv(launch.ENV, "0")       # the A/B knob
     f[(1,)](**_args(x))
     monkeypatch.delenv(launch.ENV)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    f[(1,)](x_ptr=x, n=64, scale=0.5, flag=True, BLOCK=8, typo=1)  # Triton's own error
+    f[(1,)](x_ptr=x, n=64, scale=0.5)  # a parameter missing: Triton's own error
+    monkeypatch.setattr(launch, "_cuda", lambda: False)  # no GPU
     f[(1,)](**_args(x))
-    assert len(k.plain) == 5 and k.compiled[0].runs == []
+    assert len(k.plain) == 7 and k.compiled[0].runs == []
+
+
+def test_hook_chains_without_hooks_are_not_called(fake_gpu):
+    """Triton 3.6's hooks are ``HookChain`` objects, never None: an empty chain is passed as
+    None (no launch metadata built, nothing called), a chain with hooks as itself."""
+    empty, full = types.SimpleNamespace(calls=[]), types.SimpleNamespace(calls=["h"])
+    k = _Kernel()
+    x = torch.zeros(32, dtype=torch.float16)
+    f = launch.FastLaunch(k)
+    compiled = f[(1,)](**_args(x))
+    compiled.launch_metadata = lambda grid, stream, *values: "meta"
+    fake_gpu.launch_enter_hook, fake_gpu.launch_exit_hook = empty, empty
+    f[(1,)](**_args(x))
+    fake_gpu.launch_exit_hook = full
+    f[(1,)](**_args(x))
+    assert [r[6:9] for r in compiled.runs] == [(None, None, None), ("meta", None, full)]
 
 
 def test_launch_hooks_get_their_metadata(fake_gpu):
@@ -144,6 +162,8 @@ def test_fast_is_one_wrapper_per_kernel():
     k1, k2 = _Kernel(), _Kernel()
     assert launch.fast(k1) is launch.fast(k1) and launch.fast(k1) is not launch.fast(k2)
     assert [launch.cdiv(a, 64) for a in (0, 1, 64, 65, 16384)] == [0, 1, 1, 2, 256]
+    import triton  # noqa: PLC0415
+    assert all(launch.pow2(n) == triton.next_power_of_2(n) for n in range(1, 1100))
 
 
 @pytest.mark.gpu

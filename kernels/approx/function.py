@@ -16,7 +16,12 @@ import torch
 import triton
 
 from ..checks import triton_interpreting
-from ..common import check_chunk_kernel_inputs, check_int32_offsets, env_overrides
+from ..common import (
+    cached_config,
+    check_chunk_kernel_inputs,
+    check_int32_offsets,
+    env_overrides,
+)
 from ..scan import scan_pair as _scan_pair
 from .chunk import (
     approx_bwd_delta_kernel,
@@ -93,9 +98,11 @@ class LaunchConfig:
     scan_stages: int
 
 
+@cached_config(LAUNCH_ENV)
 def launch_config(D: int, dtype: torch.dtype) -> LaunchConfig:
     """The launch config for head dim D in ``dtype``, with the overrides of
-    ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON, any field), read on every call."""
+    ``$MEGATRON_SUBQ_APPROX_LAUNCH`` (JSON, any field); cached per arguments and environment
+    (``common.cached_config``)."""
     BD = max(16, triton.next_power_of_2(D))
     cfg = LaunchConfig(
         BT=CHUNK if dtype == torch.float32 else CHUNK_HALF, BD=BD,

@@ -296,12 +296,16 @@ def asa_chunk_delta_kernel(
     sxb, sxt, sxh, syb, syt, syh,
     BT: tl.constexpr, BD: tl.constexpr, BDT: tl.constexpr, BM: tl.constexpr, BV: tl.constexpr,
     BACKWARD: tl.constexpr, NORM: tl.constexpr, PREC: tl.constexpr, VARLEN: tl.constexpr,
+    o_ptr=None, R_FUSED: tl.constexpr = False,
 ):
     """grid (NT, cdiv(Dv, BV), B*H): one chunk's contribution to the state, all chunks at once.
 
     forward  (x = k of head h // G, y = v):  Δ = k'ᵀ v,  Δz = Σ_t k'_t;
     backward (x = q of head h, y = dO):      Δ = q'ᵀ g,  Δz = Σ_t r_t q'_t  (g = dO/den, linear r).
-    delta: [B*H, NT, M, DV] fp32 (bf16 with cfg deltas_half); dz: [B*H, NT, M] fp32."""
+    delta: [B*H, NT, M, DV] fp32 (bf16 with cfg deltas_half); dz: [B*H, NT, M] fp32.
+    R_FUSED (backward, linear, one Dv block: BV >= DV): r = −(dO·o)/den is computed here from
+    o (dO's layout and strides) and stored to r ([B, H, T] fp32) for the gradient kernels, in
+    place of ``asa_bwd_r_kernel``'s launch; else r is read from r_ptr."""
     c, pid_v, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // H, pid_bh % H
     hx = h // G
@@ -320,6 +324,11 @@ def asa_chunk_delta_kernel(
                        BT).to(tl.float32)
         if NORM != 1:
             den = tl.load(den_ptr + pid_bh * T + rows, mask=row_mask, other=1.0)
+            if R_FUSED:
+                o = _load_rows(o_ptr + b * syb + h * syh, t0, t_stop, syt, v_cols, DV,
+                               BT).to(tl.float32)
+                r_rows = -tl.sum(y * o, axis=1) / den
+                tl.store(r_ptr + pid_bh * T + rows, r_rows, mask=row_mask)
             y = y / den[:, None]
         y = y.to(dt)
     else:
@@ -331,7 +340,10 @@ def asa_chunk_delta_kernel(
     if pid_v == 0:
         if BACKWARD:
             if NORM == 0:
-                r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
+                if R_FUSED:
+                    r = r_rows
+                else:
+                    r = tl.load(r_ptr + pid_bh * T + rows, mask=row_mask, other=0.0)
                 tl.store(dz_ptr + out * M + m_idx, tl.sum(f * r[:, None], axis=0),
                          mask=feat_mask)
         else:
@@ -623,24 +635,36 @@ def asa_bwd_block_kernel(
 
 @triton.jit
 def asa_bwd_dp_kernel(
-    x_ptr, dl_ptr, dp_part_ptr,
+    q_ptr, k_ptr, dlq_ptr, dlk_ptr, dp_part_ptr,
     T, H, G, D, M, NT, CPG,
-    sxb, sxt, sxh,
+    sqb, sqt, sqh, skb, skt, skh,
     BDT: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """grid (cdiv(NT, CPG), cdiv(D, BDT), B*H): partial dP[h] = Σ xᵀ dℓ over CPG chunks of one
-    (batch, head), rows d0..d0+BDT of it (the D tile: a ``[BDT, BM]`` accumulator, so that
-    d_h = 512 fits; one tile when BDT covers the padded D).
+    """grid (NG = cdiv(NT, CPG), cdiv(D, BDT), 2*B*H): partial dP[h] = Σ xᵀ dℓ over CPG chunks
+    of one (batch, head), rows d0..d0+BDT of it (the D tile: a ``[BDT, BM]`` accumulator, so
+    that d_h = 512 fits; one tile when BDT covers the padded D). Both sides in one launch: the
+    first B*H programs of the last axis take the query side (x = q of head h, dℓ_q), the others
+    the key side (x = k of head h // G, dℓ_k).
 
-    x: q or k ([B, T, H_x, D], head h // G); dℓ: [B, T, H, M] fp32; dp_part: [NG, B*H, D, M]
-    fp32, summed over its first two dims by the caller (deterministic, no atomics)."""
-    grp, pid_d, pid_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q, k: [B, T, H_x, D]; dℓ_q, dℓ_k: [B, T, H, M] contiguous (fp32 or the inputs' half dtype);
+    dp_part: [2, NG, B*H, D, M] fp32, summed over NG and B by ``asa_dp_reduce_kernel``
+    (deterministic, no atomics)."""
+    grp, pid_d, pid_z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    BH = tl.num_programs(2) // 2
+    side = pid_z // BH
+    pid_bh = pid_z - side * BH
     b, h = pid_bh // H, pid_bh % H
-    hx = h // G
+    if side == 0:
+        x_base = q_ptr + b * sqb + h * sqh
+        dl_ptr = dlq_ptr
+        sxt = sqt
+    else:
+        x_base = k_ptr + b * skb + (h // G) * skh
+        dl_ptr = dlk_ptr
+        sxt = skt
     d_cols = pid_d * BDT + tl.arange(0, BDT)
     m_idx = tl.arange(0, BM)
     acc = tl.zeros([BDT, BM], dtype=tl.float32)
-    x_base = x_ptr + b * sxb + hx * sxh
     for i in range(0, CPG):
         t0 = (grp * CPG + i) * BT
         rows = t0 + tl.arange(0, BT)
@@ -651,6 +675,21 @@ def asa_bwd_dp_kernel(
         dl = tl.load(dl_ptr + o_rows[:, None] * M + m_idx[None, :],
                      mask=row_mask[:, None] & (m_idx[None, :] < M), other=0.0)
         acc += tl.dot(tl.trans(xc), dl, input_precision=PREC)
-    out = (grp * tl.num_programs(2) + pid_bh) * D * M
+    out = ((side * tl.num_programs(0) + grp) * BH + pid_bh) * D * M
     tl.store(dp_part_ptr + out + d_cols[:, None] * M + m_idx[None, :], acc,
              mask=(d_cols[:, None] < D) & (m_idx[None, :] < M))
+
+
+@triton.jit
+def asa_dp_reduce_kernel(part_ptr, dp_ptr, R, N, BLOCK: tl.constexpr):
+    """grid (cdiv(N, BLOCK), 2): dp[s, j] = Σ_{r < R} part[s, r, j] in fp32, in order of r,
+    stored in dp's dtype (the parameters'): ``asa_bwd_dp_kernel``'s partials [2, R = NG·B,
+    N = H·D·M] reduced and cast in one launch (a torch sum and cast were two ops)."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    cols = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    base = part_ptr + s * R * N
+    for r in range(0, R):
+        acc += tl.load(base + r * N + cols, mask=mask, other=0.0)
+    tl.store(dp_ptr + s * N + cols, acc.to(dp_ptr.dtype.element_ty), mask=mask)

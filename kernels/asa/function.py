@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import triton
 
 from ..checks import check_cu_seqlens, triton_interpreting
-from ..common import check_int32_offsets, env_overrides
-from ..launch import cdiv, fast
+from ..common import cached_config, check_int32_offsets, env_overrides
+from ..launch import cdiv, fast, pow2
 from ..scan import scan as _scan, scan_pair as _scan_pair
 from .chunk import (
     asa_bwd_block_kernel,
@@ -32,17 +31,19 @@ from .chunk import (
     asa_bwd_r_kernel,
     asa_bwd_states_kernel,
     asa_chunk_delta_kernel,
+    asa_dp_reduce_kernel,
     asa_fwd_out_kernel,
     asa_fwd_states_kernel,
 )
 from .state import ASAState
 
 NORM_CODES = {"linear": 0, "none": 1, "mean": 2}
+DP_REDUCE_BLOCK = 1024  # columns per program of asa_dp_reduce_kernel
 LAUNCH_ENV = "MEGATRON_SUBQ_ASA_LAUNCH"  # JSON overrides of the launch config (benchmark sweeps)
 
 
 def _pow2(n: int, floor: int = 16) -> int:
-    return max(floor, triton.next_power_of_2(n))
+    return max(floor, pow2(n))
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,9 @@ class LaunchConfig:
     keep_states (the forward saves its chunk states for the backward instead of recomputing
     them: memory for time); fused_scan (the S and z prefix sums in one launch); r_kernel (the
     linear normalisation's r = -(dO·o)/den in ``asa_bwd_r_kernel`` instead of torch ops on fp32
-    copies); dl_half (the feature-logit gradients between the gradient and dP kernels in the
+    copies); r_fused (with r_kernel, the linear normalisation, the parallel scan and one Dv block
+    of the delta kernel: that kernel computes r as it reads dO and stores it, one launch fewer);
+    dl_half (the feature-logit gradients between the gradient and dP kernels in the
     inputs' half dtype); states_half, deltas_half (bf16 inputs only: the stored chunk states and
     the per-chunk deltas in bf16, running sums and final state fp32; never fp16, whose range a
     state, a sum over every earlier token, outgrows at long T)."""
@@ -98,6 +101,7 @@ class LaunchConfig:
     keep_states: bool
     fused_scan: bool
     r_kernel: bool
+    r_fused: bool
     dl_half: bool
     states_half: bool
     deltas_half: bool
@@ -105,9 +109,11 @@ class LaunchConfig:
     out_rows: int
 
 
+@cached_config(LAUNCH_ENV)
 def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
     """The launch config for head dims D, Dv and m features in ``dtype``, with the overrides of
-    ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON, any field). The interpreter keeps 64-token chunks and
+    ``$MEGATRON_SUBQ_ASA_LAUNCH`` (JSON, any field); cached per arguments and environment
+    (``common.cached_config``). The interpreter keeps 64-token chunks and
     32-row blocks, so that the CPU tests' lengths around 64 straddle a chunk and tile the rows."""
     # compiled, the feature tile is at least 64 wide: with m padded to 32, fp16/bf16 inputs hit an
     # illegal memory access on the GPU (fp32 was fine); padded features are masked to zero
@@ -151,7 +157,7 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
         state_warps=4, out_warps=4, bwd_warps=4, dp_warps=4,
         stages=1, CPG=16 if interpreting else "auto", scan="parallel", scan_block=1024,
         scan_unroll=8, scan_warps=4, scan_stages=1, keep_states=True, fused_scan=True,
-        r_kernel=True, dl_half=True,
+        r_kernel=True, r_fused=True, dl_half=True,
         states_half=dtype == torch.bfloat16, deltas_half=dtype == torch.bfloat16,
         # the gradient kernel at d_h or d_v of 512 (8 Dv blocks of 64, unrolled): 32 rows; at
         # 64, sm_90 compiles (tools/kernel_spills.py, Triton 3.9, no GPU) spilled 12.5 KB per
@@ -175,6 +181,7 @@ def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_verified(D: int, m: int, Dv: int) -> bool:
     """Whether the GPU tests have verified the compiled kernels at these sizes: what
     ``ops.asa_attention(impl=None)`` picks the kernel for on CUDA (elsewhere the reference runs).
@@ -184,6 +191,7 @@ def kernel_verified(D: int, m: int, Dv: int) -> bool:
     return kernel_supports(D, m, Dv) and not (max(_pow2(D), _pow2(Dv)) == 512 and _pow2(m) < 64)
 
 
+@functools.lru_cache(maxsize=None)
 def kernel_supports(D: int, m: int, Dv: int) -> bool:
     """Whether the compiled (GPU) kernels are allowed for these sizes.
 
@@ -250,8 +258,10 @@ def _state_dtype(x: torch.Tensor, cfg) -> torch.dtype:
     return x.dtype if cfg.states_half else torch.float32
 
 
-def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None):
-    """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m]."""
+def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=None, o=None):
+    """Per-chunk state contributions (``asa_chunk_delta_kernel``): [B, H, NT, m, Dv], [.., m].
+    ``o`` (backward, linear, one Dv block): the kernel computes r from o and dO and stores it
+    to ``r`` (uninitialised here) instead of reading it (``_fuse_r``)."""
     B, T, _, D = x.shape
     Dv, m = y.shape[3], p.shape[2]
     NT = _num_chunks(T, cfg, chunks)
@@ -269,8 +279,8 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
         sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), syb=y.stride(0), syt=y.stride(1),
         syh=y.stride(2), BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_delta,
         BACKWARD=backward,
-        NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, num_warps=cfg.delta_warps,
-        num_stages=cfg.stages)
+        NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, o_ptr=o, R_FUSED=o is not None,
+        num_warps=cfg.delta_warps, num_stages=cfg.stages)
     return delta, dz
 
 
@@ -311,17 +321,18 @@ def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
 
 
 def _reverse_states(q, p_q, d_o, den, r, cfg, norm: int, NT: int, chunks=None, init=None,
-                    store_final: bool = False):
+                    store_final: bool = False, o=None):
     """dS_c = Σ_{chunks > c} q'ᵀ g, dz_c = Σ_{chunks > c} q'ᵀ r: [B, H, NT, m, Dv] / [.., m]
     (chunks of the same sequence only, with a chunk table), and (store_final) the sums past the
     first chunk, the initial state's gradient (fp32 ``([B, H, m, Dv], [B, H, m])``), or None.
     ``init``: None or the final state's gradient (fp32, contiguous, the same shapes), where the
-    reverse sums start (the final state is the initial one plus every chunk's sums)."""
+    reverse sums start (the final state is the initial one plus every chunk's sums). ``o``:
+    r is computed by the delta kernel into ``r`` (``_fuse_r``; the parallel scan only)."""
     B, T, H, D = q.shape
     Dv, m = d_o.shape[3], p_q.shape[2]
     ds0, dz0 = init if init is not None else (None, None)
     if cfg.scan == "parallel" or chunks is not None:
-        delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks)
+        delta, dz = _chunk_delta(q, p_q, d_o, den, r, cfg, H, 1, True, norm, chunks, o)
         dtype = _state_dtype(q, cfg)
         if cfg.fused_scan:
             return _scan_pair(delta, dz, ds0, dz0, cfg, True, store_final, chunks, dtype)
@@ -361,22 +372,40 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _param_grad(x, dl, G: int, cfg) -> torch.Tensor:
-    """dP[h] = Σ_{b,t} x[b, t, h // G]ᵀ dℓ[b, t, h]: [H, D, m] fp32 (x: q with G=1, or k)."""
-    B, T, _, D = x.shape
-    H, m = dl.shape[2], dl.shape[3]
+def _fuse_r(cfg, norm: int, Dv: int, chunks) -> bool:
+    """Whether the backward's delta kernel computes the linear normalisation's r (cfg r_fused):
+    it reads dO row blocks of BV_delta columns, so only when one block holds all of Dv, and
+    only on the parallel scan's path (the sequential one has no delta kernel)."""
+    return (norm == 0 and cfg.r_kernel and cfg.r_fused and cdiv(Dv, cfg.BV_delta) == 1
+            and (cfg.scan == "parallel" or chunks is not None))
+
+
+def _param_grads(q, k, dlq, dlk, G: int, cfg, dtype) -> tuple:
+    """dP_Q[h] = Σ_{b,t} q[b, t, h]ᵀ dℓ_q[b, t, h] and dP_K[h] = Σ_{b,t} k[b, t, h // G]ᵀ
+    dℓ_k[b, t, h]: two ``[H, D, m]`` tensors in ``dtype``, summed in fp32. Two launches: both
+    sides' partial sums (one per group of CPG chunks) in one (``asa_bwd_dp_kernel``), their
+    reduction and cast in the other (``asa_dp_reduce_kernel``); host time at short lengths is
+    what this saves (a launch and torch op pair per side before, docs/benchmarks.md)."""
+    B, T, _, D = q.shape
+    H, m = dlq.shape[2], dlq.shape[3]
     NT = cdiv(T, cfg.BT)
     cpg = cfg.CPG
     if cpg == "auto":
-        cpg = cdiv(NT * B * H, 2 * _sm_count(x.device))
+        cpg = cdiv(NT * B * H, 2 * _sm_count(q.device))
     cpg = max(1, min(cpg, 16, NT))
     n_groups = cdiv(NT, cpg)
-    part = torch.empty(n_groups, B, H, D, m, dtype=torch.float32, device=x.device)
-    fast(asa_bwd_dp_kernel)[(n_groups, cdiv(D, cfg.BDT), B * H)](
-        x_ptr=x, dl_ptr=dl, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m, NT=NT, CPG=cpg,
-        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), BDT=cfg.BDT, BT=cfg.BT, BM=cfg.BM,
-        PREC=cfg.PREC, num_warps=cfg.dp_warps, num_stages=cfg.stages)
-    return part.sum(dim=(0, 1))
+    check_int32_offsets("asa_attention_kernel", feature_grad_partials=2 * n_groups * B * H * D * m)
+    part = torch.empty(2, n_groups, B, H, D, m, dtype=torch.float32, device=q.device)
+    fast(asa_bwd_dp_kernel)[(n_groups, cdiv(D, cfg.BDT), 2 * B * H)](
+        q_ptr=q, k_ptr=k, dlq_ptr=dlq, dlk_ptr=dlk, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m,
+        NT=NT, CPG=cpg, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), skb=k.stride(0),
+        skt=k.stride(1), skh=k.stride(2), BDT=cfg.BDT, BT=cfg.BT, BM=cfg.BM, PREC=cfg.PREC,
+        num_warps=cfg.dp_warps, num_stages=cfg.stages)
+    dp = torch.empty(2, H, D, m, dtype=dtype, device=q.device)
+    N = H * D * m
+    fast(asa_dp_reduce_kernel)[(cdiv(N, DP_REDUCE_BLOCK), 2)](
+        part_ptr=part, dp_ptr=dp, R=n_groups * B, N=N, BLOCK=DP_REDUCE_BLOCK, num_warps=4)
+    return dp.unbind(0)
 
 
 class ASAChunkFunction(torch.autograd.Function):
@@ -456,7 +485,10 @@ class ASAChunkFunction(torch.autograd.Function):
         if states is None:  # not kept by the forward (cfg keep_states): recomputed
             states, zs, _ = _chunk_states(k, v, p_k, s0, z0, cfg, H, G, False, chunks)
         NT = states.shape[2]
-        if norm == 0 and cfg.r_kernel:
+        fuse_r = _fuse_r(cfg, norm, Dv, chunks)
+        if fuse_r:  # written by the delta kernel of _reverse_states
+            r = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+        elif norm == 0 and cfg.r_kernel:
             r = _linear_r(d_o, o, den, cfg)
         elif norm == 0:  # linear: d den_i = -(dO_i·o_i) / den_i
             r = -(d_o.float() * o.float()).sum(dim=-1).transpose(1, 2) / den
@@ -464,7 +496,7 @@ class ASAChunkFunction(torch.autograd.Function):
         else:
             r = den  # unused by the kernels
         dstates, dzs, d_state = _reverse_states(q, p_q, d_o, den, r, cfg, norm, NT, chunks,
-                                                init, want_state)
+                                                init, want_state, o if fuse_r else None)
         # dk, dv per query head; summed over the GQA group below (fp32 when there is a sum)
         kv_grad_dtype = torch.float32 if G > 1 else k.dtype
         # in o's layout: the transposes and the QKV split's backward take them as they are
@@ -495,8 +527,7 @@ class ASAChunkFunction(torch.autograd.Function):
             dv.copy_(dv_h.view(B, T, H_kv, G, Dv).sum(dim=3))
         else:
             dk, dv = dk_h, dv_h
-        dp_q = _param_grad(q, dlq, 1, cfg).to(p_q.dtype)
-        dp_k = _param_grad(k, dlk, G, cfg).to(p_k.dtype)
+        dp_q, dp_k = _param_grads(q, k, dlq, dlk, G, cfg, p_q.dtype)
         d_s0 = d_z0 = None
         if want_state:
             d_s0, d_z0 = d_state
