@@ -160,6 +160,10 @@ class FastLaunch:
     def __getitem__(self, grid) -> Callable:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
+    def bind(self, grid: tuple, **fixed) -> "Bound":
+        """A launch over ``grid`` with every argument but the tensors given here (``Bound``)."""
+        return Bound(self, grid, fixed)
+
     def launch(self, grid, args: tuple, kwargs: dict):
         if args or callable(grid) or os.environ.get(ENV, "1") == "0" or not _cuda():
             return self.kernel[grid](*args, **kwargs)
@@ -204,6 +208,93 @@ class FastLaunch:
             launch_values[i] = p
         compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
                      enter, leave, *launch_values)
+        return compiled
+
+
+class Bound:
+    """``fast(kernel).bind(grid, **fixed)``: ``kernel`` over ``grid`` with its non-tensor
+    arguments (integers, strides, constexprs, Nones, launch options) given once; a call
+    ``bound(**tensors)`` launches ``kernel[grid](**fixed, **tensors)``. The fixed part is keyed
+    by the Bound itself, so a launch keys only on the tensors (dtype, device, data pointer mod
+    16) and the current device, and fills their pointers into a prepared argument list: the
+    per-launch host work of ``FastLaunch`` without re-reading ~30 fixed arguments (why: at
+    2K tokens ASA's launches are host-bound, docs/benchmarks.md). The fixed dict must not be
+    changed after binding; a caller keeps its Bounds per shape (e.g. ``functools.lru_cache``
+    on the integers they are made from). The plain path, as ``FastLaunch``'s: a value among the
+    tensors that is not a tensor, an unknown or missing argument, no CUDA, Triton before 3.3,
+    ``MEGATRON_SUBQ_FAST_LAUNCH=0``, the interpreter (nothing compiled to remember)."""
+
+    __slots__ = ("owner", "grid", "fixed", "plans", "compiled")
+
+    def __init__(self, owner: FastLaunch, grid: tuple, fixed: dict):
+        self.owner, self.grid, self.fixed = owner, tuple(grid), fixed
+        self.plans: dict = {}
+        self.compiled: dict = {}
+
+    def _plan(self, order: tuple):
+        """(the argument list in signature order with the tensors' slots empty, the tensors'
+        slots in call order), or None: no fast path for these names."""
+        owner = self.owner
+        if _knobs() is None or not owner._signature():
+            return None
+        names, fixed = owner.names, self.fixed
+        if any(n not in names for n in order) or any(
+                n not in names and n not in _OPTIONS for n in fixed):
+            return None
+        pos = {n: i for i, n in enumerate(owner.names)}
+        template = []
+        for n in names:
+            if n in fixed:
+                template.append(fixed[n])
+            elif n in order:
+                template.append(None)
+            elif n in owner.defaults:
+                template.append(owner.defaults[n])
+            else:  # neither given nor defaulted: Triton's own error
+                return None
+        return template, tuple(pos[n] for n in order)
+
+    def __call__(self, **tensors):
+        if os.environ.get(ENV, "1") == "0" or not _cuda():
+            return self.owner.kernel[self.grid](**self.fixed, **tensors)
+        order = tuple(tensors)
+        plan = self.plans.get(order, False)
+        if plan is False:
+            plan = self.plans[order] = self._plan(order)
+        if plan is None:
+            return self.owner.kernel[self.grid](**self.fixed, **tensors)
+        vals = tuple(tensors.values())
+        try:
+            ptrs = tuple(map(_PTR, vals))
+        except (TypeError, AttributeError):  # not a tensor: Triton binds it
+            return self.owner.kernel[self.grid](**self.fixed, **tensors)
+        device = torch.cuda.current_device()
+        key = (device, tuple(map(_DTYPE, vals)), tuple(map(_DEVICE, vals)),
+               tuple(map(operator.and_, ptrs, itertools.repeat(15))))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self.owner.kernel[self.grid](**self.fixed, **tensors)
+            if (getattr(compiled, "run", None) is not None and hasattr(compiled, "function")
+                    and len(self.compiled) < MAX_KEYS):
+                self.compiled[key] = compiled
+            return compiled
+        template, slots = plan
+        values = template.copy()
+        for i, p in zip(slots, ptrs):
+            values[i] = p
+        grid = self.grid
+        stream = _current_stream(device)
+        hooks = _knobs()
+        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+        meta = None
+        if enter is not None or leave is not None:  # the hooks see the tensors, as Triton's do
+            seen = template.copy()
+            for i, t in zip(slots, vals):
+                seen[i] = t
+            meta = compiled.launch_metadata(grid, stream, *seen)
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     stream, compiled.function, compiled.packed_metadata, meta, enter, leave,
+                     *values)
         return compiled
 
 

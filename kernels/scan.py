@@ -13,6 +13,7 @@ program, ``scan_unroll`` chunks per step, ``scan_warps``, ``scan_stages``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -115,12 +116,34 @@ def scan(delta, init, cfg, reverse: bool, store_final: bool, chunks=None,
     out = torch.empty_like(delta, dtype=out_dtype)
     final = torch.empty((B, H) + tuple(delta.shape[3:]), dtype=torch.float32,
                         device=delta.device) if store_final else out
-    fast(chunk_scan_kernel)[(cdiv(L, cfg.scan_block), B * H)](
+    _scan_launch(chunk_scan_kernel, B, H, NT, L, cfg.scan_block, cfg.scan_unroll,
+                 cfg.scan_warps, cfg.scan_stages, init is not None, store_final, reverse,
+                 chunks is not None)(
         delta_ptr=delta, out_ptr=out, init_ptr=init if init is not None else out, final_ptr=final,
-        chunks_ptr=chunks if chunks is not None else out, NT=NT, L=L, BLOCK=cfg.scan_block,
-        UNROLL=cfg.scan_unroll, HAS_INIT=init is not None, STORE_FINAL=store_final, REVERSE=reverse,
-        VARLEN=chunks is not None, num_warps=cfg.scan_warps, num_stages=cfg.scan_stages)
+        chunks_ptr=chunks if chunks is not None else out)
     return out, (final if store_final else None)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scan_launch(kernel, B, H, NT, L, block, unroll, warps, stages, has_init, store_final,
+                 reverse, varlen):
+    """``chunk_scan_kernel``'s launch with its non-tensor arguments bound (``launch.Bound``),
+    one per shape and config (the kernel is part of the key: tests stand in for it)."""
+    return fast(kernel).bind(
+        (cdiv(L, block), B * H), NT=NT, L=L, BLOCK=block, UNROLL=unroll, HAS_INIT=has_init,
+        STORE_FINAL=store_final, REVERSE=reverse, VARLEN=varlen, num_warps=warps,
+        num_stages=stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scan_pair_launch(kernel, B, H, NT, LS, LZ, block, unroll, warps, stages, has_init,
+                      store_final, reverse, varlen):
+    """``chunk_scan_pair_kernel``'s launch with its non-tensor arguments bound."""
+    n_s = cdiv(LS, block)
+    return fast(kernel).bind(
+        (n_s + cdiv(LZ, block), B * H), NT=NT, LS=LS, LZ=LZ, NBS=n_s, BLOCK=block,
+        UNROLL=unroll, HAS_INIT=has_init, STORE_FINAL=store_final, REVERSE=reverse,
+        VARLEN=varlen, num_warps=warps, num_stages=stages)
 
 
 def scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, chunks=None,
@@ -137,12 +160,10 @@ def scan_pair(delta, dz, init, z_init, cfg, reverse: bool, store_final: bool, ch
                             device=delta.device)
         z_final = torch.empty((B, H) + tuple(dz.shape[3:]), dtype=torch.float32,
                               device=dz.device)
-    n_s = cdiv(LS, cfg.scan_block)
-    fast(chunk_scan_pair_kernel)[(n_s + cdiv(LZ, cfg.scan_block), B * H)](
+    _scan_pair_launch(chunk_scan_pair_kernel, B, H, NT, LS, LZ, cfg.scan_block,
+                      cfg.scan_unroll, cfg.scan_warps, cfg.scan_stages, has_init, store_final,
+                      reverse, chunks is not None)(
         s_delta_ptr=delta, s_out_ptr=out, s_init_ptr=init if has_init else out, s_final_ptr=final,
         z_delta_ptr=dz, z_out_ptr=z_out, z_init_ptr=z_init if has_init else z_out,
-        z_final_ptr=z_final, chunks_ptr=chunks if chunks is not None else out, NT=NT, LS=LS, LZ=LZ,
-        NBS=n_s, BLOCK=cfg.scan_block, UNROLL=cfg.scan_unroll, HAS_INIT=has_init,
-        STORE_FINAL=store_final, REVERSE=reverse, VARLEN=chunks is not None,
-        num_warps=cfg.scan_warps, num_stages=cfg.scan_stages)
+        z_final_ptr=z_final, chunks_ptr=chunks if chunks is not None else out)
     return out, z_out, ((final, z_final) if store_final else None)

@@ -195,3 +195,53 @@ def test_asa_fast_launch_is_bitwise_the_plain_launch_gpu(monkeypatch):
     fast = run()   # relaunches them
     for a, b in zip(plain, fast):
         assert torch.equal(a, b)
+
+
+def test_bound_launch_keys_on_the_tensors_only(fake_gpu, monkeypatch):
+    """``bind``: the fixed arguments once, then launches that key on the tensors (dtype,
+    pointer mod 16, device) and pass every parameter in signature order, pointers as ints."""
+    k = _Kernel()
+    f = launch.FastLaunch(k)
+    b = f.bind((3, 2), n=64, scale=0.5, flag=True, BLOCK=8, num_warps=4)
+    x, y = torch.zeros(32, dtype=torch.float16), torch.zeros(32, dtype=torch.float16)
+    first = b(x_ptr=x)
+    assert len(k.plain) == 1 and k.plain[0][2] == dict(
+        n=64, scale=0.5, flag=True, BLOCK=8, num_warps=4, x_ptr=x)
+    again = b(x_ptr=y)  # another tensor of the same dtype and alignment: relaunched
+    assert again is first and len(k.plain) == 1
+    assert first.runs == [(3, 2, 1, 1234, "fn-handle", "packed", None, None, None,
+                           y.data_ptr(), 64, 0.5, True, 8, "a")]
+    for other in (x.float(), x[1:]):  # dtype, alignment: Triton's path
+        b(x_ptr=other)
+    monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 1)
+    b(x_ptr=x)
+    assert len(k.plain) == 4 and len(first.runs) == 1
+
+
+def test_bound_plain_path_cases(fake_gpu, monkeypatch):
+    k = _Kernel()
+    f = launch.FastLaunch(k)
+    x = torch.zeros(32, dtype=torch.float16)
+    b = f.bind((1,), n=64, scale=0.5, flag=True)
+    b(x_ptr=x)
+    b(x_ptr=None)                                   # not a tensor
+    f.bind((1,), n=64, scale=0.5, flag=True, typo=1)(x_ptr=x)   # unknown: Triton's error
+    f.bind((1,), n=64, flag=True)(x_ptr=x)          # missing: Triton's error
+    monkeypatch.setenv(launch.ENV, "0")
+    b(x_ptr=x)
+    assert len(k.plain) == 5 and k.compiled[0].runs == []
+    monkeypatch.delenv(launch.ENV)
+    b(x_ptr=x)
+    assert len(k.compiled[0].runs) == 1
+
+
+def test_bound_launch_hooks_see_the_tensors(fake_gpu):
+    k = _Kernel()
+    f = launch.FastLaunch(k)
+    x = torch.zeros(32, dtype=torch.float16)
+    b = f.bind((2, 3), n=64, scale=0.5, flag=True)
+    compiled = b(x_ptr=x)
+    compiled.launch_metadata = lambda grid, stream, *values: ("meta", grid, values[0] is x)
+    fake_gpu.launch_enter_hook = "enter"
+    b(x_ptr=x)
+    assert compiled.runs[0][6:9] == (("meta", (2, 3), True), "enter", None)

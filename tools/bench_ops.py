@@ -477,6 +477,15 @@ def report(meta: dict, results: list, plot_path: str = "") -> None:
                   f"{fmt(r.get('fwd_bwd_graph_ms'), '11.3f')} "
                   f"{fmt(r.get('speedup_vs_cudnn_fwd_graph'), '12.2f')} "
                   f"{fmt(r.get('speedup_vs_cudnn_fwd_bwd_graph'), '12.2f')}")
+    caller = [r for r in results if r.get("fwd_bwd_caller_thread_ms")]
+    if caller:  # --caller-thread-backward: eager with the backward on the calling thread
+        print(f"\nEager fwd+bwd, backward on the engine's device thread / on the calling "
+              f"thread\n{'T':>7} {'impl':<44} {'engine ms':>10} {'caller ms':>10} "
+              f"{'graph ms':>9}")
+        for r in caller:
+            print(f"{r['T']:>7} {r['impl']:<44} {fmt(r.get('fwd_bwd_ms'), '10.3f')} "
+                  f"{fmt(r.get('fwd_bwd_caller_thread_ms'), '10.3f')} "
+                  f"{fmt(r.get('fwd_bwd_graph_ms'), '9.3f')}")
     if plot_path:
         import matplotlib
 
@@ -612,6 +621,10 @@ def main(argv=None) -> int:
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each row captured in a CUDA graph (fwd_graph_ms, "
                         "fwd_bwd_graph_ms in the JSON): the GPU's time without host overhead")
+    p.add_argument("--caller-thread-backward", action="store_true",
+                   help="also time the eager fwd+bwd with the backward on the calling thread "
+                        "(torch.autograd.set_multithreading_enabled(False)): "
+                        "fwd_bwd_caller_thread_ms in the JSON")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="also run N fwd+bwd calls of each of our rows under cProfile and print "
                         "the host time per call and the functions that take it")
@@ -670,6 +683,15 @@ def main(argv=None) -> int:
                         rec[key] = None
                         rec["skipped"] = "out of memory"
                         torch.cuda.empty_cache()
+                if args.caller_thread_backward and fwd_bwd is not None:
+                    # the backward on the calling thread instead of the autograd engine's CUDA
+                    # device thread: the eager time without the engine's two thread hand-offs
+                    # per call (which a training step pays once per backward, not per op)
+                    with torch.autograd.set_multithreading_enabled(False):
+                        times = [_time(fwd_bwd) for _ in range(args.repeat)]
+                    rec["fwd_bwd_caller_thread_ms"] = statistics.median(times)
+                    if args.repeat > 1:
+                        rec["fwd_bwd_caller_thread_ms_runs"] = times
                 if args.profile and build in OP_BENCHES.values():
                     try:
                         rec["profile_us"] = _profile(name, fwd_bwd or fwd)

@@ -108,6 +108,14 @@ class LaunchConfig:
     bwd_rows: int
     out_rows: int
 
+    def __hash__(self) -> int:
+        """Hashed once (the launch factories below are cached on configs, ~30 fields)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 @cached_config(LAUNCH_ENV)
 def launch_config(D: int, m: int, Dv: int, dtype: torch.dtype) -> LaunchConfig:
@@ -273,15 +281,28 @@ def _chunk_delta(x, p, y, den, r, cfg, H, G, backward: bool, norm: int, chunks=N
     dz = alloc(B, H, NT, m, dtype=torch.float32, device=x.device)
     den = delta if den is None else den  # unread in the forward
     r = delta if r is None else r
-    fast(asa_chunk_delta_kernel)[(NT, cdiv(Dv, cfg.BV_delta), B * H)](
-        x_ptr=x, p_ptr=p, y_ptr=y, den_ptr=den, r_ptr=r, delta_ptr=delta, dz_ptr=dz,
-        chunks_ptr=chunks if chunks is not None else delta, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
-        sxb=x.stride(0), sxt=x.stride(1), sxh=x.stride(2), syb=y.stride(0), syt=y.stride(1),
-        syh=y.stride(2), BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_delta,
-        BACKWARD=backward,
-        NORM=norm, PREC=cfg.PREC, VARLEN=chunks is not None, o_ptr=o, R_FUSED=o is not None,
-        num_warps=cfg.delta_warps, num_stages=cfg.stages)
+    launch = _delta_launch(asa_chunk_delta_kernel, cfg, B, T, H, G, D, m, Dv, NT,
+                           x.stride()[:3], y.stride()[:3], backward, norm, chunks is not None,
+                           o is not None)
+    tensors = dict(x_ptr=x, p_ptr=p, y_ptr=y, den_ptr=den, r_ptr=r, delta_ptr=delta, dz_ptr=dz,
+                   chunks_ptr=chunks if chunks is not None else delta)
+    if o is not None:
+        tensors["o_ptr"] = o
+    launch(**tensors)
     return delta, dz
+
+
+@functools.lru_cache(maxsize=1024)
+def _delta_launch(kernel, cfg, B, T, H, G, D, m, Dv, NT, sx, sy, backward, norm, varlen,
+                  fused_r):
+    """The delta kernel's launch for these sizes with its non-tensor arguments bound
+    (``launch.Bound``: a launch then keys only on its tensors). So are the launches below; the
+    kernel is part of each key (tests stand in for kernels)."""
+    return fast(kernel).bind(
+        (NT, cdiv(Dv, cfg.BV_delta), B * H), T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT, sxb=sx[0],
+        sxt=sx[1], sxh=sx[2], syb=sy[0], syt=sy[1], syh=sy[2], BT=cfg.BT, BD=cfg.BD, BDT=cfg.BDT,
+        BM=cfg.BM, BV=cfg.BV_delta, BACKWARD=backward, NORM=norm, PREC=cfg.PREC, VARLEN=varlen,
+        R_FUSED=fused_r, num_warps=cfg.delta_warps, num_stages=cfg.stages)
 
 
 def _chunk_states(k, v, p_k, s0, z0, cfg, H, G, store_final: bool, chunks=None):
@@ -361,10 +382,15 @@ def _linear_r(d_o, o, den, cfg) -> torch.Tensor:
     layout (``_token_major``)."""
     B, T, H, Dv = o.shape
     r = torch.empty(B, H, T, dtype=torch.float32, device=o.device)
-    fast(asa_bwd_r_kernel)[(cdiv(T, cfg.BT), B * H)](
-        do_ptr=d_o, o_ptr=o, den_ptr=den, r_ptr=r, T=T, H=H, DV=Dv, BT=cfg.BT, BV=_pow2(Dv),
-        B=B, TMAJOR=_token_major(o), num_warps=4)
+    _r_launch(asa_bwd_r_kernel, cfg.BT, B, T, H, Dv, _token_major(o))(
+        do_ptr=d_o, o_ptr=o, den_ptr=den, r_ptr=r)
     return r
+
+
+@functools.lru_cache(maxsize=1024)
+def _r_launch(kernel, BT, B, T, H, Dv, tmajor):
+    return fast(kernel).bind((cdiv(T, BT), B * H), T=T, H=H, DV=Dv, BT=BT, BV=_pow2(Dv), B=B,
+                             TMAJOR=tmajor, num_warps=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -396,16 +422,46 @@ def _param_grads(q, k, dlq, dlk, G: int, cfg, dtype) -> tuple:
     n_groups = cdiv(NT, cpg)
     check_int32_offsets("asa_attention_kernel", feature_grad_partials=2 * n_groups * B * H * D * m)
     part = torch.empty(2, n_groups, B, H, D, m, dtype=torch.float32, device=q.device)
-    fast(asa_bwd_dp_kernel)[(n_groups, cdiv(D, cfg.BDT), 2 * B * H)](
-        q_ptr=q, k_ptr=k, dlq_ptr=dlq, dlk_ptr=dlk, dp_part_ptr=part, T=T, H=H, G=G, D=D, M=m,
-        NT=NT, CPG=cpg, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), skb=k.stride(0),
-        skt=k.stride(1), skh=k.stride(2), BDT=cfg.BDT, BT=cfg.BT, BM=cfg.BM, PREC=cfg.PREC,
-        num_warps=cfg.dp_warps, num_stages=cfg.stages)
     dp = torch.empty(2, H, D, m, dtype=dtype, device=q.device)
-    N = H * D * m
-    fast(asa_dp_reduce_kernel)[(cdiv(N, DP_REDUCE_BLOCK), 2)](
-        part_ptr=part, dp_ptr=dp, R=n_groups * B, N=N, BLOCK=DP_REDUCE_BLOCK, num_warps=4)
+    launch, reduce = _dp_launches(asa_bwd_dp_kernel, asa_dp_reduce_kernel, cfg, B, T, H, G, D,
+                                  m, NT, cpg, q.stride()[:3], k.stride()[:3])
+    launch(q_ptr=q, k_ptr=k, dlq_ptr=dlq, dlk_ptr=dlk, dp_part_ptr=part)
+    reduce(part_ptr=part, dp_ptr=dp)
     return dp.unbind(0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _dp_launches(kernel, reduce_kernel, cfg, B, T, H, G, D, m, NT, cpg, sq, sk):
+    n_groups, N = cdiv(NT, cpg), H * D * m
+    return (fast(kernel).bind(
+        (n_groups, cdiv(D, cfg.BDT), 2 * B * H), T=T, H=H, G=G, D=D, M=m, NT=NT, CPG=cpg,
+        sqb=sq[0], sqt=sq[1], sqh=sq[2], skb=sk[0], skt=sk[1], skh=sk[2], BDT=cfg.BDT,
+        BT=cfg.BT, BM=cfg.BM, PREC=cfg.PREC, num_warps=cfg.dp_warps, num_stages=cfg.stages),
+        fast(reduce_kernel).bind((cdiv(N, DP_REDUCE_BLOCK), 2), R=n_groups * B, N=N,
+                                 BLOCK=DP_REDUCE_BLOCK, num_warps=4))
+
+
+@functools.lru_cache(maxsize=1024)
+def _out_launch(kernel, cfg, B, T, H, G, D, m, Dv, NT, sq, sk, sv, norm, varlen, tmajor):
+    return fast(kernel).bind(
+        (NT * (cfg.BT // cfg.out_rows), cdiv(Dv, cfg.BV_out), B * H), T=T, H=H, G=G, D=D, M=m,
+        DV=Dv, NT=NT, sqb=sq[0], sqt=sq[1], sqh=sq[2], skb=sk[0], skt=sk[1], skh=sk[2],
+        svb=sv[0], svt=sv[1], svh=sv[2], BT=cfg.BT, RB=cfg.out_rows, BD=cfg.BD, BDT=cfg.BDT,
+        BM=cfg.BM, BV=cfg.BV_out, NORM=norm, PREC=cfg.PREC, VARLEN=varlen, B=B, TMAJOR=tmajor,
+        num_warps=cfg.out_warps, num_stages=cfg.stages)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_launch(kernel, cfg, B, T, H, G, D, m, Dv, NT, strides, norm, side, varlen, dz,
+                  tmajor):
+    (sqb, sqt, sqh), (skb, skt, skh), (svb, svt, svh) = strides
+    rows = cfg.bwd_rows
+    return fast(kernel).bind(
+        (NT * (cfg.BT // rows), B * H), T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT, sqb=sqb,
+        sqt=sqt, sqh=sqh, skb=skb, skt=skt, skh=skh, svb=svb, svt=svt, svh=svh, BT=cfg.BT,
+        RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_bwd, NV=cdiv(Dv, cfg.BV_bwd),
+        NORM=norm, PREC=cfg.PREC, SIDE=side, VARLEN=varlen, DZ=dz, B=B, TMAJOR=tmajor,
+        num_warps=cfg.bwd_warps, num_stages=cfg.stages)
 
 
 class ASAChunkFunction(torch.autograd.Function):
@@ -442,17 +498,11 @@ class ASAChunkFunction(torch.autograd.Function):
         tmajor = _token_major(q)  # o (and later the gradients) in q's [s, b] memory order
         o = _empty_rows(B, T, H, Dv, q.dtype, q.device, tmajor)
         den = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-        grid = (NT * (cfg.BT // cfg.out_rows), cdiv(Dv, cfg.BV_out), B * H)
-        fast(asa_fwd_out_kernel)[grid](
+        _out_launch(asa_fwd_out_kernel, cfg, B, T, H, G, D, m, Dv, NT, q.stride()[:3],
+                    k.stride()[:3], v.stride()[:3], norm, chunks is not None, tmajor)(
             q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, states_ptr=states, zs_ptr=zs,
             seen_ptr=den if seen is None else seen, o_ptr=o, den_ptr=den,
-            chunks_ptr=chunks if chunks is not None else den, T=T, H=H, G=G, D=D, M=m, DV=Dv, NT=NT,
-            sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2), skb=k.stride(0), skt=k.stride(1),
-            skh=k.stride(2), svb=v.stride(0), svt=v.stride(1), svh=v.stride(2), BT=cfg.BT,
-            RB=cfg.out_rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM, BV=cfg.BV_out, NORM=norm,
-            PREC=cfg.PREC,
-            VARLEN=chunks is not None, B=B, TMAJOR=tmajor, num_warps=cfg.out_warps,
-            num_stages=cfg.stages)
+            chunks_ptr=chunks if chunks is not None else den)
         kept = (states, zs) if cfg.keep_states else (None, None)
         ctx.save_for_backward(q, k, v, p_q, p_k, o, den, s0, z0, chunks, *kept)
         ctx.cfg, ctx.norm = cfg, norm
@@ -507,19 +557,14 @@ class ASAChunkFunction(torch.autograd.Function):
         dl_dtype = q.dtype if cfg.dl_half else torch.float32
         dlq = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
         dlk = torch.empty(B, T, H, m, dtype=dl_dtype, device=q.device)
-        rows = cfg.bwd_rows
+        strides = (q.stride()[:3], k.stride()[:3], v.stride()[:3])
         for side, dx, dl in ((0, dq, dlq), (1, dk_h, dlk)):  # query side, key side
-            fast(asa_bwd_block_kernel)[(NT * (cfg.BT // rows), B * H)](
-                q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, do_ptr=d_o, den_ptr=den, r_ptr=r,
-                states_ptr=states, zs_ptr=zs, dstates_ptr=dstates, dzs_ptr=dzs, dx_ptr=dx,
-                dv_ptr=dv_h, dl_ptr=dl, chunks_ptr=chunks if chunks is not None else den, T=T, H=H,
-                G=G, D=D, M=m, DV=Dv, NT=NT, sqb=q.stride(0), sqt=q.stride(1), sqh=q.stride(2),
-                skb=k.stride(0), skt=k.stride(1), skh=k.stride(2), svb=v.stride(0), svt=v.stride(1),
-                svh=v.stride(2), BT=cfg.BT, RB=rows, BD=cfg.BD, BDT=cfg.BDT, BM=cfg.BM,
-                BV=cfg.BV_bwd,
-                NV=cdiv(Dv, cfg.BV_bwd), NORM=norm, PREC=cfg.PREC, SIDE=side,
-                VARLEN=chunks is not None, DZ=init is not None, B=B, TMAJOR=tmajor,
-                num_warps=cfg.bwd_warps, num_stages=cfg.stages)
+            _block_launch(asa_bwd_block_kernel, cfg, B, T, H, G, D, m, Dv, NT, strides, norm,
+                          side, chunks is not None, init is not None, tmajor)(
+                q_ptr=q, k_ptr=k, v_ptr=v, pq_ptr=p_q, pk_ptr=p_k, do_ptr=d_o, den_ptr=den,
+                r_ptr=r, states_ptr=states, zs_ptr=zs, dstates_ptr=dstates, dzs_ptr=dzs,
+                dx_ptr=dx, dv_ptr=dv_h, dl_ptr=dl,
+                chunks_ptr=chunks if chunks is not None else den)
         if G > 1:
             dk = _empty_rows(B, T, H_kv, D, k.dtype, q.device, tmajor)
             dv = _empty_rows(B, T, H_kv, Dv, v.dtype, q.device, tmajor)
