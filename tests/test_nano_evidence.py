@@ -168,6 +168,55 @@ def test_dry_run_end_to_end(tmp_path):
     assert timings["after"]["superlinear"]["complete"] is True
 
 
+def _metrics(path, losses):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"iteration": i, "lm_loss": loss, "time_s": 0.5,
+                                "tokens_per_sec_per_gpu": 32.0}) + "\n")
+
+
+def _run_yaml(work, rel, iters):
+    path = work / rel
+    os.makedirs(path.parent, exist_ok=True)
+    save = work / os.path.dirname(rel) / "train"
+    os.makedirs(save, exist_ok=True)
+    (save / "latest_checkpointed_iteration.txt").write_text(str(iters))
+    path.write_text(yaml.safe_dump({"global-batch-size": 2, "seq-length": 8, "save": str(save),
+                                    "metrics-file": str(save / "metrics.jsonl")}))
+    return save / "metrics.jsonl"
+
+
+def test_summary_loss_column_averages_ten_iterations_at_each_end(tmp_path):
+    """The summary's loss column: the mean of the first and of the last 10 iterations (all of
+    them, said so, when fewer), not single iterations: the answer-only NIAH loss makes one
+    iteration's loss swing (the base's round 3: iteration 859 4.21, 860 0.74, while the trainer's
+    10-iteration means fell from 2.80 to 2.39)."""
+    work = tmp_path / "work"
+    # 30 iterations whose single first and last losses (9.0, 0.5) are far from their windows'
+    # means: first 10 -> 3.0, last 10 -> 2.0
+    first = [9.0] + [7.0 / 3.0] * 9
+    last = [20.0 / 9.0] * 9 + [0.0]
+    base_losses = first + [2.5] * 10 + last
+    _metrics(str(_run_yaml(work, "base/base.yaml", 30)), base_losses)
+    # a stage of 4 iterations: fewer than the window, averaged over all 4 at both ends
+    _metrics(str(_run_yaml(work, "arms/standard/stage1.yaml", 4)), [4.0, 2.0, 1.0, 1.0])
+    (work / "timings.json").write_text(json.dumps({
+        "mode": "GPU", "stage": "arms", "arms": ["standard"], "timings": [],
+        "iterations": {"base": {"planned": 30, "done": 30, "tokens_per_iter": 16},
+                       "stages": [4, 4, 4]}}))
+    text = ne.summary(str(work))
+    lines = text.splitlines()
+    head = next(x for x in lines if x.startswith("| run |"))
+    assert head.endswith("| loss, mean of first 10 → last 10 iterations |"), head
+    base = next(x for x in lines if x.startswith("| base (dense, alone)"))
+    assert base.endswith("| 3.00 → 2.00 |"), base  # single iterations: 9.00 → 0.00
+    stage = next(x for x in lines if x.startswith("| standard stage 1 |"))
+    assert stage.endswith("| 2.00 → 2.00 (means of 4) |"), stage
+    assert ne.loss_first_last([]) is None
+    assert ne.loss_first_last([{"lm_loss": None}, {"lm_loss": 1.5}]) == (1.5, 1.5, 1)
+
+
 def test_compile_warm_up_config_is_a_valid_trainer_config(tmp_path):
     """The warm-up runs (Triton's compiles while the data is prepared: the first base step took
     99 s on an H200) get base.yaml's model on mock data, 2 steps of one sequence, nothing loaded
