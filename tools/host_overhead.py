@@ -75,8 +75,21 @@ def _attribute(asa_fn, step, calls: int) -> dict:
         finally:
             totals[name] = totals.get(name, 0) + time.perf_counter_ns() - start
 
+    plain_bound = launch_mod.Bound.__call__
+
+    def timed_bound(self, **tensors):  # every bound launch (launch.Bound) of the step
+        kernel = self.owner.kernel
+        name = f"launch {getattr(getattr(kernel, 'fn', kernel), '__name__', '?')}"
+        start = time.perf_counter_ns()
+        try:
+            return plain_bound(self, **tensors)
+        finally:
+            totals[name] = totals.get(name, 0) + time.perf_counter_ns() - start
+
     patched.append((launch_mod.FastLaunch, "launch", plain_launch))
+    patched.append((launch_mod.Bound, "__call__", plain_bound))
     launch_mod.FastLaunch.launch = timed_launch
+    launch_mod.Bound.__call__ = timed_bound
     for name, obj in list(vars(asa_fn).items()):
         if isinstance(obj, JITFunction):
             continue  # launched through fast(): timed above
