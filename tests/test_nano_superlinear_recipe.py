@@ -147,6 +147,8 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     assert "stage1.yaml" in err and "--tensor-model-parallel-size" in err, err
     err = bad("knobs", 2, **{"superlinear-backward-factor": 4.0})
     assert "stage2.yaml: superlinear-backward-factor 4.0 differs from stage 1's" in err, err
+    err = bad("mask", 2, **{"subq-loss-mask-data": True})  # the NIAH data are format train
+    assert "stage2.yaml: subq-loss-mask-data true disagrees" in err, err
 
     # the curriculum: import -> 2 stages -> NIAH eval (export below)
     name = "good"
@@ -222,6 +224,58 @@ def test_recipe_end_to_end_on_a_tiny_nemotron_h(tmp_path, capsys):
     # the import's tokenizer goes with it (the stages' saves keep none)
     assert open(os.path.join(hf_out, "tokenizer.json")).read() == open(
         os.path.join(o, "import", "hf_files", "tokenizer.json")).read()
+
+
+def test_stages_niah_with_the_loss_on_the_answers_only(tmp_path, capsys):
+    """``niah.format: train-answer``: each stage's NIAH data is written with its loss-mask
+    sidecar (1 on the answers only), the stages must read it (``subq-loss-mask-data: true``, a
+    disagreement or an unknown format is refused before anything is written), and the shipped
+    one-GPU curriculum uses it."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_subq.training.loss_mask_data import sidecar_prefix
+
+    one_gpu = curriculum.read_curriculum(os.path.join(RECIPE, "one-gpu", "curriculum.yaml"))
+    assert curriculum.niah_format(one_gpu) == "train-answer"
+    assert curriculum.check_stages(one_gpu) == []
+    assert all(st.config["subq-loss-mask-data"] is True for st in one_gpu.stages)
+
+    tmp = str(tmp_path)
+    hf = os.path.join(tmp, "hf")
+    os.makedirs(hf)
+    _tokenizer(hf)
+    lm = os.path.join(tmp, "lm_text_document")  # not read: only the NIAH data step runs
+
+    def write(name, fmt, masked):
+        out = os.path.join(tmp, name, "run")
+        stages = [(_stage("stage1-4k.yaml", out, 1, hf, lm, **{"seq-length": 256,
+                                                              "subq-loss-mask-data": masked}),
+                   [160, 192])]
+        return _write_curriculum(tmp, name, hf, stages, niah={
+            "depths": "0,50,100", "corpus": CORPUS, "format": fmt})
+
+    for name, fmt, masked, msg in (
+            ("unmasked", "train-answer", False, "subq-loss-mask-data false disagrees"),
+            ("unknown", "jsonl", True, "niah.format 'jsonl'; allowed train, train-answer")):
+        assert curriculum.main(["run", write(name, fmt, masked)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err, err
+        assert not os.path.exists(os.path.join(tmp, name, "run"))
+
+    cur = curriculum.read_curriculum(write("good", "train-answer", True))
+    assert curriculum.check_stages(cur) == []
+    st = cur.stages[0]
+    curriculum.niah_data_step(cur, st, log=lambda *a: None)
+    prefix = cur.niah_prefix(st)
+    tokens, mask = IndexedDataset(prefix), IndexedDataset(sidecar_prefix(prefix))
+    assert len(tokens) == len(mask) == 2 * 3 * 2  # lengths x depths x samples per cell
+    for i in range(len(tokens)):
+        m = mask[i]
+        assert len(m) == len(tokens[i]) and set(m.tolist()) <= {0, 1}
+        assert 0 < int(m.sum()) < len(m) // 10 and m[-1] == 0  # the answer; EOD not counted
+    logs = []
+    curriculum.niah_data_step(cur, st, log=logs.append)  # done: skipped
+    assert logs == [f"== stage 1 NIAH data: done ({prefix})"]
 
 
 @pytest.mark.slow

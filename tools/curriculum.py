@@ -12,7 +12,10 @@ A curriculum file names the HF folder (``hf``), the output folder (``out``), the
 (``import: {save, seed, init-method-std}``), the stages in order (``stages``: each ``config``, a
 complete trainer YAML beside the curriculum file, its ``nodes`` and its NIAH training data
 ``niah: {lengths, samples-per-cell, seed}``), the NIAH options shared by the stages (``niah``:
-depths, needles, corpus, skip-documents, workers: processes making and tokenizing them), the
+depths, needles, corpus, skip-documents, workers: processes making and tokenizing them, and
+``format``: ``train``, every token of a sample in the loss, the default, or ``train-answer``,
+the loss on the answer tokens only through a loss-mask sidecar, which every stage then reads with
+``subq-loss-mask-data: true``: docs/results.md, session 19, the base learned retrieval only so), the
 evaluation grid (``eval``; ``input``: samples made beforehand) and the export (``export:
 {hf-out}``).
 
@@ -175,12 +178,23 @@ def read_curriculum(path: str, overlay: Optional[str] = None) -> Curriculum:
     return cur
 
 
+NIAH_FORMATS = ("train", "train-answer")
+
+
+def niah_format(cur: Curriculum) -> str:
+    """The stages' NIAH training format (the curriculum's ``niah.format``, default ``train``)."""
+    return str((cur.spec.get("niah") or {}).get("format", "train"))
+
+
 def check_stages(cur: Curriculum) -> List[str]:
     """The static checks of the contract (keys, order, chain, model, NIAH data); problems named by
     stage file and key."""
     problems: List[str] = []
     first = cur.stages[0].config
     prev_len, prev_save = 0, cur.import_save
+    fmt = niah_format(cur)
+    if fmt not in NIAH_FORMATS:
+        problems.append(f"{cur.path}: niah.format {fmt!r}; allowed {', '.join(NIAH_FORMATS)}")
     for st in cur.stages:
         cfg, src = st.config, st.source
         missing = [k for k in STAGE_KEYS if k not in cfg]
@@ -210,6 +224,11 @@ def check_stages(cur: Curriculum) -> List[str]:
         if _norm(prefix) not in [_norm(p) for p in _data_prefixes(cfg["data-path"])]:
             problems.append(f"{src}: data-path does not include this stage's NIAH data "
                             f"{prefix} (the driver writes it)")
+        masked = bool(cfg.get("subq-loss-mask-data", False))
+        if fmt in NIAH_FORMATS and masked != (fmt == "train-answer"):
+            problems.append(f"{src}: subq-loss-mask-data {str(masked).lower()} disagrees with "
+                            f"{cur.path}'s niah.format {fmt!r} (train-answer goes with "
+                            "subq-loss-mask-data: true, train without it)")
         lengths = st.niah.get("lengths") or []
         too_long = [n for n in lengths if int(n) >= seq]
         if too_long:
@@ -345,10 +364,17 @@ def import_step(cur: Curriculum, log=print) -> None:
 
 
 def niah_data_step(cur: Curriculum, st: Stage, log=print) -> None:
-    """The stage's NIAH training data: ``tools/niah.py generate --format train`` then
-    ``tools/preprocess_data.py`` into ``OUT/niah/stageK_text_document`` (skipped when there)."""
+    """The stage's NIAH training data in ``OUT/niah/stageK_text_document`` (skipped when there):
+    ``tools/niah.py generate --format train`` then ``tools/preprocess_data.py``, or with
+    ``niah.format: train-answer`` ``tools/niah.py generate --format train-answer``, which writes
+    the indexed dataset and its loss-mask sidecar (``PREFIX_lossmask``) itself."""
     prefix = cur.niah_prefix(st)
-    if os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+    fmt = niah_format(cur)
+    files = [prefix + ".idx", prefix + ".bin"]
+    if fmt == "train-answer":
+        from megatron_subq.training.loss_mask_data import sidecar_files  # noqa: PLC0415
+        files += list(sidecar_files(prefix))
+    if all(os.path.isfile(f) for f in files):
         log(f"== stage {st.index} NIAH data: done ({prefix})")
         return
     from tools import niah as niah_tool  # noqa: PLC0415
@@ -364,7 +390,8 @@ def niah_data_step(cur: Curriculum, st: Stage, log=print) -> None:
             "--depths", str(shared.get("depths", "0,5,...,100")),
             "--samples-per-cell", str(st.niah["samples-per-cell"]),
             "--needles", str(shared.get("needles", 1)), "--seed", str(st.niah["seed"]),
-            "--format", "train", "--output", jsonl, "--no-progress",
+            "--format", fmt, "--output",
+            prefix[:-len("_text_document")] if fmt == "train-answer" else jsonl, "--no-progress",
             "--workers", str(shared.get("workers", 1))]
     if shared.get("corpus"):
         argv += ["--corpus", str(shared["corpus"])]
@@ -372,6 +399,8 @@ def niah_data_step(cur: Curriculum, st: Stage, log=print) -> None:
         argv += ["--skip-documents", str(shared["skip-documents"])]
     log(f"== stage {st.index} NIAH data: tools/niah.py {' '.join(argv)}")
     niah_tool.main(argv)
+    if fmt == "train-answer":
+        return
     preprocess_data.main(["--input", jsonl, "--output-prefix", prefix[:-len("_text_document")],
                           *tok, "--workers", str(shared.get("workers", 1)), "--no-progress"])
 
