@@ -61,7 +61,6 @@ def cached_config(env: str):
         def launch_config(*args, **kwargs):
             return cached(os.environ.get("TRITON_INTERPRET", "0") == "1", os.environ.get(env),
                           args, tuple(sorted(kwargs.items())))
-        launch_config.cache_clear = cached.cache_clear
         return launch_config
     return wrap
 

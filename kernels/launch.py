@@ -187,28 +187,8 @@ class FastLaunch:
         except TypeError:  # an unhashable constexpr: no key
             return self.kernel[grid](**kwargs)
         if compiled is None:
-            compiled = self.kernel[grid](**kwargs)
-            if (getattr(compiled, "run", None) is not None and hasattr(compiled, "function")
-                    and len(self.compiled) < MAX_KEYS):
-                self.compiled[key] = compiled
-            return compiled
-        g0 = grid[0]
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        stream = _current_stream(device)
-        hooks = _knobs()
-        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
-        meta = (None if enter is None and leave is None
-                else compiled.launch_metadata(grid, stream, *values))
-        # pointers as integers: the launcher then neither calls data_ptr() nor asks the driver
-        # whether each pointer is a device pointer (cuPointerGetAttribute); the key holds every
-        # tensor's device, and a tensor Triton refused never got a key
-        launch_values = list(values)
-        for i, p in zip(tensor_pos, ptrs):
-            launch_values[i] = p
-        compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, meta,
-                     enter, leave, *launch_values)
-        return compiled
+            return _remember(self.compiled, key, self.kernel[grid](**kwargs))
+        return _relaunch(compiled, grid, device, list(values), tensor_pos, ptrs, tensors)
 
 
 class Bound:
@@ -273,29 +253,41 @@ class Bound:
                tuple(map(operator.and_, ptrs, itertools.repeat(15))))
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled = self.owner.kernel[self.grid](**self.fixed, **tensors)
-            if (getattr(compiled, "run", None) is not None and hasattr(compiled, "function")
-                    and len(self.compiled) < MAX_KEYS):
-                self.compiled[key] = compiled
-            return compiled
+            return _remember(self.compiled, key,
+                             self.owner.kernel[self.grid](**self.fixed, **tensors))
         template, slots = plan
-        values = template.copy()
-        for i, p in zip(slots, ptrs):
-            values[i] = p
-        grid = self.grid
-        stream = _current_stream(device)
-        hooks = _knobs()
-        enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
-        meta = None
-        if enter is not None or leave is not None:  # the hooks see the tensors, as Triton's do
-            seen = template.copy()
-            for i, t in zip(slots, vals):
-                seen[i] = t
-            meta = compiled.launch_metadata(grid, stream, *seen)
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     stream, compiled.function, compiled.packed_metadata, meta, enter, leave,
-                     *values)
-        return compiled
+        return _relaunch(compiled, self.grid, device, template.copy(), slots, ptrs, vals)
+
+
+def _remember(store: dict, key: tuple, compiled):
+    """Keep a kernel Triton compiled or found under ``key`` (at most ``MAX_KEYS`` per store;
+    nothing when it is no compiled kernel: the interpreter's launch) and return it."""
+    if (getattr(compiled, "run", None) is not None and hasattr(compiled, "function")
+            and len(store) < MAX_KEYS):
+        store[key] = compiled
+    return compiled
+
+
+def _relaunch(compiled, grid, device: int, args: list, slots, ptrs, tensors):
+    """Launch ``compiled`` over ``grid`` with ``args`` (every parameter in signature order) after
+    putting the tensors' data pointers into their ``slots``: as integers, the launcher neither
+    calls data_ptr() nor asks the driver whether each is a device pointer
+    (cuPointerGetAttribute); the callers' keys hold every tensor's device, and a tensor Triton
+    refused never got a key. Launch hooks, when any is set, see the tensors, as Triton's do."""
+    stream = _current_stream(device)
+    hooks = _knobs()
+    enter, leave = _active(hooks.launch_enter_hook), _active(hooks.launch_exit_hook)
+    meta = None
+    if enter is not None or leave is not None:
+        seen = args.copy()
+        for i, t in zip(slots, tensors):
+            seen[i] = t
+        meta = compiled.launch_metadata(grid, stream, *seen)
+    for i, p in zip(slots, ptrs):
+        args[i] = p
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 stream, compiled.function, compiled.packed_metadata, meta, enter, leave, *args)
+    return compiled
 
 
 _WRAPPED: Dict[int, FastLaunch] = {}
