@@ -181,6 +181,12 @@ def read_curriculum(path: str, overlay: Optional[str] = None) -> Curriculum:
 NIAH_FORMATS = ("train", "train-answer")
 
 
+def loss_mask_agrees(fmt: str, masked: bool) -> bool:
+    """NIAH training data of format ``fmt`` and a trainer config's ``subq-loss-mask-data``
+    (``masked``) go together: ``train-answer``'s sidecar must be read, ``train`` has none."""
+    return masked == (fmt == "train-answer")
+
+
 def niah_format(cur: Curriculum) -> str:
     """The stages' NIAH training format (the curriculum's ``niah.format``, default ``train``)."""
     return str((cur.spec.get("niah") or {}).get("format", "train"))
@@ -225,7 +231,7 @@ def check_stages(cur: Curriculum) -> List[str]:
             problems.append(f"{src}: data-path does not include this stage's NIAH data "
                             f"{prefix} (the driver writes it)")
         masked = bool(cfg.get("subq-loss-mask-data", False))
-        if fmt in NIAH_FORMATS and masked != (fmt == "train-answer"):
+        if fmt in NIAH_FORMATS and not loss_mask_agrees(fmt, masked):
             problems.append(f"{src}: subq-loss-mask-data {str(masked).lower()} disagrees with "
                             f"{cur.path}'s niah.format {fmt!r} (train-answer goes with "
                             "subq-loss-mask-data: true, train without it)")

@@ -76,7 +76,11 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tools.curriculum import saved_iteration  # noqa: E402 (no torch: the pack step stays light)
+from tools.curriculum import (  # noqa: E402 (no torch: the pack step stays light)
+    NIAH_FORMATS,
+    loss_mask_agrees,
+    saved_iteration,
+)
 from tools.plot_losses import read_records  # noqa: E402 (no torch either)
 RECIPE = os.path.join(ROOT, "recipes", "nemotron-3-nano-superlinear", "one-gpu")
 PY = sys.executable
@@ -153,9 +157,6 @@ def parse_arms(text: str, settings: dict) -> List[str]:
     return names
 
 
-NIAH_FORMATS = ("train", "train-answer")
-
-
 def check_base_niah(settings: dict, recipe: str = RECIPE) -> None:
     """evidence.yaml's ``base.niah.format`` and base.yaml's ``subq-loss-mask-data`` agree:
     ``train-answer`` (the loss on the answers only: the sidecar tools/niah.py writes) needs the
@@ -165,7 +166,7 @@ def check_base_niah(settings: dict, recipe: str = RECIPE) -> None:
         raise EvidenceError(f"evidence.yaml base.niah.format {fmt!r}: allowed "
                             f"{', '.join(NIAH_FORMATS)}")
     masked = bool(_yaml(os.path.join(recipe, "base.yaml")).get("subq-loss-mask-data", False))
-    if masked != (fmt == "train-answer"):
+    if not loss_mask_agrees(fmt, masked):
         raise EvidenceError(f"evidence.yaml base.niah.format {fmt!r} and base.yaml "
                             f"subq-loss-mask-data {str(masked).lower()} disagree: "
                             "train-answer goes with subq-loss-mask-data: true, train without it")
