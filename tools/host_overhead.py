@@ -65,31 +65,24 @@ def _attribute(asa_fn, step, calls: int) -> dict:
 
     from megatron_subq.kernels import launch as launch_mod  # noqa: PLC0415
 
-    plain_launch = launch_mod.FastLaunch.launch
+    def timed_launches(owner, attr, kernel_of):
+        """``owner.attr`` (a launch method) timed per kernel name (``kernel_of(self)``)."""
+        plain = getattr(owner, attr)
 
-    def timed_launch(self, grid, a, kw):  # every fast(kernel)[grid](...) of the step
-        name = f"launch {getattr(getattr(self.kernel, 'fn', self.kernel), '__name__', '?')}"
-        start = time.perf_counter_ns()
-        try:
-            return plain_launch(self, grid, a, kw)
-        finally:
-            totals[name] = totals.get(name, 0) + time.perf_counter_ns() - start
+        def wrapper(self, *a, **kw):
+            kernel = kernel_of(self)
+            name = f"launch {getattr(getattr(kernel, 'fn', kernel), '__name__', '?')}"
+            start = time.perf_counter_ns()
+            try:
+                return plain(self, *a, **kw)
+            finally:
+                totals[name] = totals.get(name, 0) + time.perf_counter_ns() - start
+        patched.append((owner, attr, plain))
+        setattr(owner, attr, wrapper)
 
-    plain_bound = launch_mod.Bound.__call__
-
-    def timed_bound(self, **tensors):  # every bound launch (launch.Bound) of the step
-        kernel = self.owner.kernel
-        name = f"launch {getattr(getattr(kernel, 'fn', kernel), '__name__', '?')}"
-        start = time.perf_counter_ns()
-        try:
-            return plain_bound(self, **tensors)
-        finally:
-            totals[name] = totals.get(name, 0) + time.perf_counter_ns() - start
-
-    patched.append((launch_mod.FastLaunch, "launch", plain_launch))
-    patched.append((launch_mod.Bound, "__call__", plain_bound))
-    launch_mod.FastLaunch.launch = timed_launch
-    launch_mod.Bound.__call__ = timed_bound
+    # every fast(kernel)[grid](...) and every bound launch (launch.Bound) of the step
+    timed_launches(launch_mod.FastLaunch, "launch", lambda f: f.kernel)
+    timed_launches(launch_mod.Bound, "__call__", lambda b: b.owner.kernel)
     for name, obj in list(vars(asa_fn).items()):
         if isinstance(obj, JITFunction):
             continue  # launched through fast(): timed above
