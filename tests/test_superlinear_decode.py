@@ -125,16 +125,18 @@ def test_prefill_default_start_and_single_token_chunks():
         assert rel_rms(step, full[:, 7]) <= 1e-5
 
 
-@pytest.mark.parametrize("chunk,block_n", [(8, 8), (64, 16)])
-def test_decode_kernel_split_k_layouts(chunk, block_n):
+@pytest.mark.parametrize("chunk,block_n,mma", [(8, 8, False), (64, 16, False), (32, 16, True)],
+                         ids=["chunk8", "chunk64", "chunk32-mma"])
+def test_decode_kernel_split_k_layouts(chunk, block_n, mma):
     """Spans and window split over several parts (chunk 8) or one part each (chunk 64); a query
-    with fewer candidates than top-k; position 0."""
+    with fewer candidates than top-k; position 0. ``mma``: the dots as 16-row tensor-core tiles
+    (search: the group's heads; attend: q and the probabilities' hi/lo rows)."""
     knobs = dict(topk=3, sw_index=2, backward_factor=2.0, forward_factor=1.0)  # w = 8
     q, q_s, k, v = _inputs(1, 90, 4, 2, 8, seed=2)
     full = superlinear_attention_reference(q, q_s, k, v, **knobs)
     for length in (90, 11, 1):
         got = superlinear_decode_kernel(q[:, length - 1], q_s[:, length - 1], k, v, length,
-                                        **knobs, chunk=chunk, block_n=block_n)
+                                        **knobs, chunk=chunk, block_n=block_n, mma=mma)
         assert rel_rms(got, full[:, length - 1]) <= BOUNDS[torch.float32], length
 
 
@@ -227,6 +229,22 @@ def test_kernel_half_dtypes(dtype):
     assert chunk.dtype == dtype and step.dtype == dtype
     assert rel_rms(chunk, full[:, 24:40]) <= BOUNDS[dtype]
     assert rel_rms(step, full[:, 40]) <= BOUNDS[dtype]
+    for mma in (False, True):  # both dot forms of the decode kernels, tiles of 16 keys
+        step = superlinear_decode_kernel(q[:, 40], q_s[:, 40], k, v, 41, **knobs, chunk=32,
+                                         block_n=16, mma=mma)
+        assert step.dtype == dtype and rel_rms(step, full[:, 40]) <= BOUNDS[dtype], mma
+
+
+def test_decode_launch_options_are_checked():
+    q, q_s, k, v = _inputs(1, 10, 4, 2, 8, device="cpu")
+    cases = [(dict(block_n=8, mma=True), "mma=True needs block_n >= 16"),
+             (dict(block_n=12), "block_n=12 is invalid"), (dict(warps=3), "warps=3 is invalid")]
+    for launch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            superlinear_decode_kernel(q[:, 9], q_s[:, 9], k, v, 10, chunk=16, **launch)
+        with pytest.raises(ValueError, match=message):
+            SuperlinearDecodePlan(1, 4, 2, 8, capacity=16, dtype=q.dtype, device="cpu", chunk=16,
+                                  **launch)
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,21 +287,24 @@ def test_bad_arguments():
 # ------------------------------------------------------------------------------------------
 # the capturable form: one plan per capacity bucket, integers in a device buffer
 # ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("knobs,chunk", [(dict(sw_index=2, topk=3, forward_factor=1.0), 8),
-                                         (dict(sw_index=1), 16)])
-def test_decode_plan_equals_eager_at_every_length_of_its_bucket(knobs, chunk):
+@pytest.mark.parametrize("knobs,chunk,launch", [
+    (dict(sw_index=2, topk=3, forward_factor=1.0), 8, dict(block_n=8)),
+    (dict(sw_index=1), 16, dict(block_n=8)),
+    (dict(sw_index=2, topk=3, forward_factor=1.0), 16, dict(block_n=16, mma=True))],
+    ids=["chunk8", "chunk16", "chunk16-mma"])
+def test_decode_plan_equals_eager_at_every_length_of_its_bucket(knobs, chunk, launch):
     """The fixed launches of a plan (bucket-sized grids, extra parts empty) give the eager
     kernel's output bitwise at every length of the bucket, from one plan reused across lengths
     (what a replayed graph does), and the full forward's row."""
     q, q_s, k, v = _inputs(1, 64, 4, 2, 8, seed=5)
     full = superlinear_attention_reference(q, q_s, k, v, **knobs)
     plan = SuperlinearDecodePlan(1, 4, 2, 8, capacity=64, dtype=q.dtype, device=q.device,
-                                 **knobs, chunk=chunk, block_n=8)
+                                 **knobs, chunk=chunk, **launch)
     for length in (33, 34, 47, 63, 64):
         plan.set_length(length)
         got = plan.run(q[:, length - 1], q_s[:, length - 1], k, v).clone()
         eager = superlinear_decode_kernel(q[:, length - 1], q_s[:, length - 1], k, v, length,
-                                          **knobs, chunk=chunk, block_n=8)
+                                          **knobs, chunk=chunk, **launch)
         assert torch.equal(got, eager), length
         assert rel_rms(got, full[:, length - 1]) <= BOUNDS[torch.float32], length
     small = SuperlinearDecodePlan(1, 4, 2, 8, capacity=1, dtype=q.dtype, device=q.device)
@@ -322,6 +343,10 @@ def test_decode_gpu_matches_reference(L):
     ref = ops.superlinear_decode_step(*(x.float() for x in (q, q_s, k, v)), **ISSUE_KNOBS,
                                       impl="reference")
     assert rel_rms(got, ref) <= BOUNDS[torch.bfloat16]
+    for launch in (dict(mma=False), dict(mma=True), dict(block_n=32, mma=True),
+                   dict(block_n=128, warps=8, mma=True)):  # every dot form and tile tried
+        got = superlinear_decode_kernel(q, q_s, k, v, L, **ISSUE_KNOBS, chunk=256, **launch)
+        assert rel_rms(got, ref) <= BOUNDS[torch.bfloat16], launch
 
 
 @pytest.mark.gpu
@@ -356,7 +381,8 @@ def test_prefill_gpu_chunks_nemotron_layout():
 
 
 @pytest.mark.gpu
-def test_decode_plan_gpu_graph_replays_every_length():
+@pytest.mark.parametrize("mma", [False, True], ids=["fma", "mma"])
+def test_decode_plan_gpu_graph_replays_every_length(mma):
     """One CUDA graph of a plan's step at 1M capacity (Nemotron layout, bf16, the paper's
     kernel knobs), replayed after set_length at several lengths of the bucket: the eager
     kernel's output at each (the same kernels on the same parts: equal)."""
@@ -365,12 +391,12 @@ def test_decode_plan_gpu_graph_replays_every_length():
     L = 1 << 20
     q, q_s, k, v = _nemotron_decode_inputs(L)
     plan = SuperlinearDecodePlan(1, 32, 2, 128, capacity=L, dtype=q.dtype, device=q.device,
-                                 **ISSUE_KNOBS)
+                                 **ISSUE_KNOBS, mma=mma)
     plan.set_length(L)
     graph, out = capture_cuda_graph(lambda: plan.run(q, q_s, k, v))
     for length in (L // 2 + 1, 700_001, L):
         plan.set_length(length)
         graph.replay()
-        eager = superlinear_decode_kernel(q, q_s, k, v, length, **ISSUE_KNOBS)
+        eager = superlinear_decode_kernel(q, q_s, k, v, length, **ISSUE_KNOBS, mma=mma)
         torch.cuda.synchronize()
         assert torch.equal(out, eager), length

@@ -213,6 +213,23 @@ def bench_superlinear_prefill(args, T: int, dtype) -> List[Row]:
     return rows
 
 
+def _superlinear_decode_configs(args) -> List[tuple]:
+    """(chunk, launch overrides, row tag) for each --superlinear-decode-chunk and each
+    --superlinear-decode-launch (JSON: block_n, warps, mma; none: the kernel's defaults)."""
+    launches = [json.loads(x) for x in args.superlinear_decode_launch] or [{}]
+    for launch in launches:
+        bad = set(launch) - {"block_n", "warps", "mma"}
+        if not isinstance(launch, dict) or bad:
+            raise SystemExit(f"--superlinear-decode-launch {launch!r}: unknown keys {sorted(bad)};"
+                             " allowed block_n, warps, mma")
+    out = []
+    for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
+        for launch in launches:
+            tag = ",".join([f"chunk={chunk}"] + [f"{k}={launch[k]}" for k in sorted(launch)])
+            out.append((chunk, launch, tag))
+    return out
+
+
 def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
     """One decode step at position T - 1 over a cache of T tokens (forward only): the
     superlinear decode kernel (one row per --superlinear-decode-chunk, its split-K part size)
@@ -237,17 +254,19 @@ def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
     sparse_bytes = elt * B * D * (H_kv * (cost["search"] + 2 * cost["window"])
                                   + H * 2 * cost["spans"])
     rows = []
-    for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
-        def run(chunk=chunk):
-            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk)
+    configs = _superlinear_decode_configs(args)
+    for chunk, launch, tag in configs:
+        def run(chunk=chunk, launch=launch):
+            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk, **launch)
 
         torch.testing.assert_close(  # the kernel the op dispatches to, and the same result
-            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk),
+            superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk,
+                                      **launch),
             superlinear_decode_step(q, q_s, k_cache, v_cache, **knobs, impl="kernel"),
             rtol=2e-2, atol=2e-2)
-        rows.append((f"superlinear_decode[chunk={chunk}]", run, None,
+        rows.append((f"superlinear_decode[{tag}]", run, None,
                      {"decode": True, "fwd_min_bytes": sparse_bytes,
-                      "keys_per_head": cost["total"]}))
+                      "keys_per_head": cost["total"], "launch": dict(launch, chunk=chunk)}))
 
     # the capturable form (kernels.superlinear.SuperlinearDecodePlan): the plan's launches
     # alone, and a generation step as it would run one, set_length + the captured graph's replay
@@ -256,13 +275,14 @@ def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
     from megatron_subq.kernels.superlinear import SuperlinearDecodePlan
     from megatron_subq.ops.superlinear import capacity_bucket
 
-    for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
+    for chunk, launch, tag in configs:
         plan = SuperlinearDecodePlan(B, H, H_kv, D, capacity_bucket(T), dtype, q.device,
-                                     **knobs, chunk=chunk)
+                                     **knobs, chunk=chunk, **launch)
         plan.set_length(T)
-        eager = superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk)
+        eager = superlinear_decode_kernel(q, q_s, k_cache, v_cache, T, **knobs, chunk=chunk,
+                                          **launch)
         if not torch.equal(plan.run(q, q_s, k_cache, v_cache), eager):
-            raise AssertionError(f"decode plan != eager kernel at T={T}, chunk={chunk}")
+            raise AssertionError(f"decode plan != eager kernel at T={T}, {tag}")
 
         def launches(plan=plan):
             plan.run(q, q_s, k_cache, v_cache)
@@ -273,9 +293,10 @@ def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
             plan.set_length(T)
             graph.replay()
 
-        info = {"decode": True, "fwd_min_bytes": sparse_bytes, "keys_per_head": cost["total"]}
-        rows.append((f"superlinear_decode_plan[chunk={chunk}]", launches, None, dict(info)))
-        rows.append((f"superlinear_decode_graph_step[chunk={chunk}]", step, None, dict(info)))
+        info = {"decode": True, "fwd_min_bytes": sparse_bytes, "keys_per_head": cost["total"],
+                "launch": dict(launch, chunk=chunk)}
+        rows.append((f"superlinear_decode_plan[{tag}]", launches, None, dict(info)))
+        rows.append((f"superlinear_decode_graph_step[{tag}]", step, None, dict(info)))
 
     # dense decode: its own copy of the cache in SDPA's layout (not counted in the timing)
     k_dense, v_dense = (x.transpose(1, 2).contiguous() for x in (k_cache, v_cache))
@@ -610,6 +631,9 @@ def main(argv=None) -> int:
                    help="comma list: superlinear_prefill chunk sizes (queries per chunk)")
     p.add_argument("--superlinear-decode-chunk", default="512",
                    help="comma list: keys per split-K part of the superlinear decode kernel")
+    p.add_argument("--superlinear-decode-launch", action="append", default=[],
+                   help="JSON launch override of the superlinear decode kernels: block_n, warps, "
+                        "mma (repeat to sweep; rows per chunk x launch)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--profile", action="store_true",
                    help="also print each of our rows' per-kernel CUDA time of one fwd+bwd "

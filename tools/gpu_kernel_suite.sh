@@ -24,6 +24,7 @@
 #     bash tools/gpu_kernel_suite.sh asa-candidates # A/B launch configs; GPU tests under one
 #   bash tools/gpu_kernel_suite.sh linear-check     # asa + nonapprox GPU tests, graph timings
 #   GPU_FILES=asa_kernel GPU_K=fused bash tools/gpu_kernel_suite.sh gpu-tests  # tests only
+#   DECODE_AB='{"mma": true}' bash tools/gpu_kernel_suite.sh decode-sweep  # decode launches, 1M
 #   bash tools/gpu_kernel_suite.sh tests asa        # several stages in one call
 # Each stage stops after STAGE_TIMEOUT seconds (default 420) and a call after 600: without a
 # carried cache, run one stage per call (compiling is most of the first call's time).
@@ -222,6 +223,22 @@ stage_sparse_bench() {
   grep -v '^{' "$LOGS/bench_sl_profile.log" | tail -40
 }
 
+stage_decode_sweep() {
+  # the superlinear decode kernels' launches: their GPU tests (decode, the captured step in
+  # generation), then chunk x launch (DECODE_AB: ';'-separated JSON of block_n, warps, mma) at
+  # DECODE_LENGTHS, eager / plan / graph-step rows against SDPA decode (Nemotron layout)
+  GPU_P=${GPU_P:-4} gpu_tests decode "$R/tests/test_superlinear_decode.py" \
+    "$R/tests/test_superlinear_decode_graph.py"
+  local args=() cands c
+  IFS=';' read -ra cands <<< "${DECODE_AB:-{\}}"
+  for c in "${cands[@]}"; do args+=(--superlinear-decode-launch "$c"); done
+  timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear_decode --baselines "" --heads 32 --kv-heads 2 \
+    --lengths "${DECODE_LENGTHS:-1048576}" --superlinear-decode-chunk "${DECODE_CHUNKS:-256,512}" \
+    "${args[@]}" --json "$LOGS/bench_decode_${DECODE_TAG:-sweep}.json" \
+    > "$LOGS/bench_decode_${DECODE_TAG:-sweep}.log" 2>&1
+  grep -v '^{' "$LOGS/bench_decode_${DECODE_TAG:-sweep}.log" | grep -v '^ *[0-9.]* us ' | tail -90
+}
+
 stage_superlinear_prefill() {
   # Superlinear prefill (chunked) at the Nemotron layout (32 query / 2 KV heads) with per-kernel
   # profiles, the default and each launch override of $SLP_AB (';'-separated JSON), one process
@@ -270,8 +287,9 @@ for stage in "$@"; do
     sparse-bench) stage_sparse_bench ;;
     profile) stage_profile ;;
     superlinear-prefill) stage_superlinear_prefill ;;
+    decode-sweep) stage_decode_sweep ;;
     ppa-long) stage_ppa_long ;;
-    *) echo "unknown stage $stage (have: tests asa asa-bench approx-ab asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long superlinear-prefill)"; exit 2 ;;
+    *) echo "unknown stage $stage (have: tests asa asa-bench approx-ab asa-check deconstructed superlinear-ab graphs linear-check asa-candidates superlinear-bench superlinear-tests gpu-tests sparse-bench profile ppa-long superlinear-prefill decode-sweep)"; exit 2 ;;
   esac
 done
 tar -czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"

@@ -51,7 +51,8 @@ from .plan import anchor_offsets, capacity_bucket, ceil_power, ceil_times, super
 @triton.jit
 def decode_search_kernel(QS, K, OFF, SCORES, GEO, POS, A, A_STRIDE, H, GROUP, D,
                          s_qb, s_qh, s_kb, s_kt, s_kh,
-                         BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr):
+                         BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr,
+                         MMA: tl.constexpr, BLOCK_G: tl.constexpr, PREC: tl.constexpr):
     if GEO_BUF:  # the step's integers from the device (a captured graph's launches are fixed)
         POS = tl.load(GEO + 0)
         A = tl.load(GEO + 1)
@@ -67,12 +68,24 @@ def decode_search_kernel(QS, K, OFF, SCORES, GEO, POS, A, A_STRIDE, H, GROUP, D,
     t = POS - tl.load(OFF + offs_a, mask=a_mask, other=0)  # candidates a < A have t >= 0
     t = t.to(tl.int64)  # t * s_kt passes 2^31 from ~8M tokens of context (GQA 2 x 128)
     k = tl.load(K + b.to(tl.int64) * s_kb + t[:, None] * s_kt + hk * s_kh + offs_d[None, :],
-                mask=a_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    for g in range(0, GROUP):  # the group's query heads share the anchor keys
-        h = hk * GROUP + g
-        qs = tl.load(QS + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        s = tl.sum(k * qs[None, :], axis=1)
-        tl.store(SCORES + (b * H + h) * A_STRIDE + offs_a, s, mask=a_mask)
+                mask=a_mask[:, None] & d_mask[None, :], other=0.0)
+    if MMA:  # the group's query heads as the columns of one tensor-core product
+        offs_g = tl.arange(0, BLOCK_G)
+        g_mask = offs_g < GROUP
+        h = hk * GROUP + offs_g
+        qs = tl.load(QS + b * s_qb + h[:, None] * s_qh + offs_d[None, :],
+                     mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        s = tl.dot(k, tl.trans(qs.to(k.dtype)), input_precision=PREC)  # [BLOCK_A, BLOCK_G]
+        tl.store(SCORES + (b * H + h)[None, :] * A_STRIDE + offs_a[:, None], s,
+                 mask=a_mask[:, None] & g_mask[None, :])
+    else:
+        k = k.to(tl.float32)
+        for g in range(0, GROUP):  # the group's query heads share the anchor keys
+            h = hk * GROUP + g
+            qs = tl.load(QS + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0).to(
+                tl.float32)
+            s = tl.sum(k * qs[None, :], axis=1)
+            tl.store(SCORES + (b * H + h) * A_STRIDE + offs_a, s, mask=a_mask)
 
 
 @triton.jit
@@ -80,7 +93,8 @@ def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S, GE
                          POS, A, A_STRIDE, H, GROUP, D, WIN_LO, BACK, FWD, N_WIN, N_SPAN, NPART,
                          scale, s_qb, s_qh, s_kb, s_kt, s_kh,
                          TOPK: tl.constexpr, BLOCK_ALL: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, GEO_BUF: tl.constexpr,
+                         MMA: tl.constexpr, PREC: tl.constexpr):
     if GEO_BUF:  # N_WIN, N_SPAN, NPART are then the bucket's largest: extra parts are empty
         POS = tl.load(GEO + 0)
         A = tl.load(GEO + 1)
@@ -120,7 +134,12 @@ def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S, GE
         if c == 0:
             tl.store(SEL_S + pid_bh * TOPK + slot, best)
 
-    q = tl.load(Q + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_d, mask=d_mask, other=0.0)
+    if MMA:  # q as row 0 of a 16-row tile (tl.dot's smallest): the tensor cores take the dots
+        rows = tl.arange(0, 16)
+        q_rows = tl.where(rows[:, None] == 0, q[None, :], 0.0).to(Q.dtype.element_ty)
+    else:
+        q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     m_i = float("-inf")
     l_i = 0.0
@@ -131,14 +150,26 @@ def decode_attend_kernel(Q, K, V, SCORES, OFF, PART_M, PART_L, PART_O, SEL_S, GE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         ptr = b.to(tl.int64) * s_kb + cols.to(tl.int64)[:, None] * s_kt + hk * s_kh + \
             offs_d[None, :]
-        k = tl.load(K + ptr, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(V + ptr, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.where(n_mask, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
+        k = tl.load(K + ptr, mask=kv_mask, other=0.0)
+        v = tl.load(V + ptr, mask=kv_mask, other=0.0)
+        if MMA:  # the zero rows add exact zeros: the column sum is row 0's dot
+            dots = tl.sum(tl.dot(q_rows, tl.trans(k), input_precision=PREC), axis=0)
+        else:
+            dots = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        s = tl.where(n_mask, dots * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))  # finite: every tile has a key
         p = tl.exp(s - m_new)
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if MMA:  # p in two rows of v's dtype, hi + lo: ~16 significant bits, not bf16's 8
+            p_hi = p.to(V.dtype.element_ty)
+            p_lo = (p - p_hi.to(tl.float32)).to(V.dtype.element_ty)
+            p_rows = tl.where(rows[:, None] == 0, p_hi[None, :],
+                              tl.where(rows[:, None] == 1, p_lo[None, :], 0.0))
+            pv = tl.sum(tl.dot(p_rows.to(V.dtype.element_ty), v, input_precision=PREC), axis=0)
+        else:
+            pv = tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        acc = acc * alpha + pv
         m_i = m_new
     out = pid_bh * NPART + j
     tl.store(PART_M + out, m_i)
@@ -246,6 +277,32 @@ def decode_chunk_default() -> int:
     return 16 if triton_interpreting() else 512  # keys per split-K part
 
 
+# the attend kernel's defaults on a GPU: keys per tile, warps, tensor-core dots (docs/benchmarks.md,
+# "The capturable step"); the interpreter's are small tiles on CUDA-core dots
+DECODE_TILE_DEFAULTS = dict(block_n=64, warps=4, mma=False)
+
+
+def decode_tiles(chunk: int, block_n: Optional[int] = None, warps: Optional[int] = None,
+                 mma: Optional[bool] = None) -> Tuple[int, int, bool]:
+    """(keys per tile, warps, tensor-core dots) of the attend kernel, None for the defaults.
+    ``mma``: q (and the probabilities, as a bf16/fp16 hi + lo pair) as rows of a 16-row tile,
+    the dots on the tensor cores; needs tiles of >= 16 keys."""
+    interp = triton_interpreting()
+    block_n = block_n or min(chunk, 16 if interp else DECODE_TILE_DEFAULTS["block_n"])
+    warps = warps or DECODE_TILE_DEFAULTS["warps"]
+    if mma is None:
+        mma = DECODE_TILE_DEFAULTS["mma"] and not interp and block_n >= 16
+    for name, value in (("block_n", block_n), ("warps", warps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
+                or value & (value - 1):
+            raise ValueError(f"superlinear decode: {name}={value!r} is invalid: allowed a power "
+                             "of two >= 1")
+    if mma and block_n < 16:
+        raise ValueError(f"superlinear decode: mma=True needs block_n >= 16 (tl.dot's smallest "
+                         f"tile), got block_n={block_n}")
+    return block_n, warps, bool(mma)
+
+
 def _layout(geo: dict, chunk: int, topk: int) -> Tuple[int, int, int]:
     """(window parts, parts per span, all parts) of a step's split-K layout."""
     n_win = triton.cdiv(geo["pos"] - geo["win_lo"] + 1, chunk)
@@ -253,7 +310,7 @@ def _layout(geo: dict, chunk: int, topk: int) -> Tuple[int, int, int]:
     return n_win, n_span, n_win + topk * n_span
 
 
-def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chunk, block_n,
+def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chunk, tiles,
             scores, part_m, part_l, part_o, sel_s, geo_buf):
     """The three launches of one step. ``geo_buf`` None: the step's integers (``geo``) are kernel
     arguments and the grids fit them; a device int32 tensor [5] (pos, candidates, window start,
@@ -262,7 +319,9 @@ def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chun
     length of the bucket and a CUDA graph can replay them."""
     B, H, D = q.shape
     H_kv = k.shape[2]
+    block_n, warps, mma = tiles
     block_d = max(16, triton.next_power_of_2(D))
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: exact products, no TF32
     n_part = n_win + topk * n_span
     from_buf = geo_buf is not None
     geo_t = geo_buf if from_buf else offsets  # any pointer: not read without GEO_BUF
@@ -278,14 +337,15 @@ def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chun
             QS=q_s, K=k, OFF=offsets, SCORES=scores, GEO=geo_t, POS=ints["POS"], A=ints["A"],
             A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D, s_qb=q_s.stride(0),
             s_qh=q_s.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2),
-            BLOCK_A=block_a, BLOCK_D=block_d, GEO_BUF=from_buf, num_warps=4)
+            BLOCK_A=block_a, BLOCK_D=block_d, GEO_BUF=from_buf, MMA=mma,
+            BLOCK_G=max(16, triton.next_power_of_2(H // H_kv)), PREC=prec, num_warps=4)
     decode_attend_kernel[(n_part, B * H)](
         Q=q, K=k, V=v, SCORES=scores, OFF=offsets, PART_M=part_m, PART_L=part_l, PART_O=part_o,
         SEL_S=sel_s, GEO=geo_t, **ints, A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D,
         N_WIN=n_win, N_SPAN=n_span, NPART=n_part, scale=1.0 / math.sqrt(D), s_qb=q.stride(0),
         s_qh=q.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=topk,
         BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
-        BLOCK_D=block_d, GEO_BUF=from_buf, num_warps=4)
+        BLOCK_D=block_d, GEO_BUF=from_buf, MMA=mma, PREC=prec, num_warps=warps)
     decode_combine_kernel[(B * H,)](
         PART_M=part_m, PART_L=part_l, PART_O=part_o, SEL_S=sel_s, O=out, H=H, D=D, N_WIN=n_win,
         N_SPAN=n_span, NPART=n_part, s_ob=out.stride(0), s_oh=out.stride(1), TOPK=topk,
@@ -306,13 +366,15 @@ def _work_buffers(BH: int, a_stride: int, n_part: int, D: int, topk: int, device
 def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_power=0.5,
                               span_power=0.5, topk=2, backward_factor=2.0, forward_factor=0.0,
                               sw_index=0, chunk: Optional[int] = None,
-                              block_n: Optional[int] = None):
+                              block_n: Optional[int] = None, warps: Optional[int] = None,
+                              mma: Optional[bool] = None):
     """``ops.superlinear_decode_step`` on the kernels (arguments checked by the op).
 
     q, q_s: [B, H, D]; k_cache, v_cache: [B, L, H_kv, D] with positions [0, length) filled (only
     O(sqrt(length)) rows of them are read). Returns [B, H, D] in q's dtype. Eager: the step's
     integers are launch arguments and the grids fit this length (``SuperlinearDecodePlan`` is
-    the form a CUDA graph captures).
+    the form a CUDA graph captures). ``chunk``, ``block_n``, ``warps``, ``mma``: the split-K
+    launch (``decode_chunk_default``, ``decode_tiles``), None for the defaults.
     """
     out_dtype = q.dtype
     B, H, D = q.shape
@@ -327,12 +389,12 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
                           sw_index)
     _, offsets = decode_offsets(capacity_bucket(length), search_power, sw_index, q.device)
     chunk = chunk or decode_chunk_default()
-    block_n = block_n or min(chunk, 16 if triton_interpreting() else 64)
+    tiles = decode_tiles(chunk, block_n, warps, mma)
     n_win, n_span, n_part = _layout(geo, chunk, topk)
     work = _work_buffers(B * H, geo["a_stride"], n_part, D, topk, q.device)
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
     return _launch(q, q_s, k, v, out, geo, offsets, geo["a_stride"], n_win, n_span, topk, chunk,
-                   block_n, geo_buf=None, **work)
+                   tiles, geo_buf=None, **work)
 
 
 class SuperlinearDecodePlan:
@@ -352,7 +414,8 @@ class SuperlinearDecodePlan:
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device, search_power=0.5, span_power=0.5, topk=2,
                  backward_factor=2.0, forward_factor=0.0, sw_index=0,
-                 chunk: Optional[int] = None, block_n: Optional[int] = None):
+                 chunk: Optional[int] = None, block_n: Optional[int] = None,
+                 warps: Optional[int] = None, mma: Optional[bool] = None):
         if capacity < 1 or capacity & (capacity - 1):
             raise ValueError(f"SuperlinearDecodePlan: capacity={capacity} is invalid: allowed a "
                              "power of two >= 1 (capacity_bucket(length))")
@@ -365,7 +428,7 @@ class SuperlinearDecodePlan:
                           sw_index=sw_index)
         self.topk = topk
         self.chunk = chunk or decode_chunk_default()
-        self.block_n = block_n or min(self.chunk, 16 if triton_interpreting() else 64)
+        self.tiles = decode_tiles(self.chunk, block_n, warps, mma)
         _, self.offsets = decode_offsets(capacity, search_power, sw_index, device)
         largest = decode_geometry(capacity, **self.knobs)  # spans and window only grow with i
         self.a_stride = largest["a_stride"]
@@ -400,4 +463,4 @@ class SuperlinearDecodePlan:
             raise RuntimeError("SuperlinearDecodePlan.run: call set_length first")
         return _launch(q, q_s, k_cache, v_cache, self.out, None, self.offsets,
                        self.a_stride, self.n_win, self.n_span, self.topk, self.chunk,
-                       self.block_n, geo_buf=self.geo, **self.work)
+                       self.tiles, geo_buf=self.geo, **self.work)
