@@ -234,7 +234,7 @@ stage_decode_sweep() {
   for c in "${cands[@]}"; do args+=(--superlinear-decode-launch "$c"); done
   timeout "$STAGE_TIMEOUT" $BENCH --ops superlinear_decode --baselines "" --heads 32 --kv-heads 2 \
     --lengths "${DECODE_LENGTHS:-1048576}" --superlinear-decode-chunk "${DECODE_CHUNKS:-256,512}" \
-    "${args[@]}" --json "$LOGS/bench_decode_${DECODE_TAG:-sweep}.json" \
+    "${args[@]}" --repeat "${DECODE_REPEAT:-1}" --json "$LOGS/bench_decode_${DECODE_TAG:-sweep}.json" \
     > "$LOGS/bench_decode_${DECODE_TAG:-sweep}.log" 2>&1
   grep -v '^{' "$LOGS/bench_decode_${DECODE_TAG:-sweep}.log" | grep -v '^ *[0-9.]* us ' | tail -90
 }

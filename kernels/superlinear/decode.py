@@ -274,12 +274,12 @@ def decode_geometry(length: int, search_power=0.5, span_power=0.5, backward_fact
 
 
 def decode_chunk_default() -> int:
-    return 16 if triton_interpreting() else 512  # keys per split-K part
+    return 16 if triton_interpreting() else 256  # keys per split-K part (docs/benchmarks.md)
 
 
 # the attend kernel's defaults on a GPU: keys per tile, warps, tensor-core dots (docs/benchmarks.md,
 # "The capturable step"); the interpreter's are small tiles on CUDA-core dots
-DECODE_TILE_DEFAULTS = dict(block_n=64, warps=4, mma=False)
+DECODE_TILE_DEFAULTS = dict(block_n=64, warps=4, mma=True)
 
 
 def decode_tiles(chunk: int, block_n: Optional[int] = None, warps: Optional[int] = None,
