@@ -217,6 +217,55 @@ def test_summary_loss_column_averages_ten_iterations_at_each_end(tmp_path):
     assert ne.loss_first_last([{"lm_loss": None}, {"lm_loss": 1.5}]) == (1.5, 1.5, 1)
 
 
+def test_summary_splits_niah_by_the_superlinear_window(tmp_path):
+    """The summary's window table: each arm's NIAH samples split by the needle's distance from
+    the prompt's end, inside the Superlinear arm's window ((sw_index + 1)^2 - 1 = 15 tokens at
+    sw_index 3) or outside it (per length and in all), for the dense arm too."""
+    work = tmp_path / "work"
+
+    def niah(arm, when, samples):
+        folder = work / "arms" / arm / ("before" if when == "before" else "run/eval")
+        folder.mkdir(parents=True, exist_ok=True)
+        cells = [{"length": 64, "depth": 0, "accuracy": 0.5, "n": len(samples),
+                  "mean_answer_logprob": -1.0}]
+        (folder / "niah.json").write_text(json.dumps(
+            {"iteration": 0 if when == "before" else 7, "accuracy": 0.5,
+             "mean_answer_logprob": -1.0, "cells": cells,
+             "samples": [{"length": n, "prompt_tokens": n, "needle_position": pos,
+                          "correct": ok, "answer_logprob": lp}
+                         for n, pos, ok, lp in samples]}))
+
+    # distances 4, 15 (inside); 16, 40 at 64 tokens and 100 at 128 (outside)
+    niah("superlinear", "before", [(64, 60, True, -0.5), (64, 49, True, -0.5),
+                                   (64, 48, False, -3.0), (64, 24, False, -5.0),
+                                   (128, 28, False, -4.0)])
+    niah("superlinear", "after", [(64, 60, True, -0.5), (64, 49, False, -1.5),
+                                  (64, 48, True, -0.2), (64, 24, False, -2.0),
+                                  (128, 28, True, -0.1)])
+    niah("standard", "before", [(64, 60, True, -0.1), (128, 28, True, -0.3)])
+    imp = work / "arms" / "superlinear" / "run" / "import"
+    imp.mkdir(parents=True)
+    (imp / "model.yaml").write_text("attention-variant: superlinear\n"
+                                    "superlinear-search-power: 0.5\nsuperlinear-sw-index: 3\n")
+    (work / "timings.json").write_text(json.dumps(
+        {"mode": "GPU", "stage": "arms", "arms": ["superlinear", "standard"], "timings": [],
+         "after": {"superlinear": {"checkpoint": "stage1"}}}))
+    assert ne.superlinear_window_of(str(work), ["standard", "superlinear"]) == 15
+    lines = ne.summary(str(work)).splitlines()
+    assert "### Inside and outside the Superlinear window (15 tokens)" in lines
+    head = next(x for x in lines if x.startswith("| arm | when | checkpoint (iteration) | inside"))
+    assert head.endswith("| inside (≤ 15 tokens) | outside, 64 | outside, 128 | outside, all |")
+    rows = [x for x in lines if x.startswith("| superlinear |") and "/" in x.split("|")[4]]
+    assert rows == [
+        "| superlinear | before | import (0) | 2/2 (-0.50) | 0/2 (-4.00) | 0/1 (-4.00) "
+        "| 0/3 (-4.00) |",
+        "| superlinear | after | stage1 (7) | 1/2 (-1.00) | 1/2 (-1.10) | 1/1 (-0.10) "
+        "| 2/3 (-0.77) |"]
+    dense = [x for x in lines if x.startswith("| standard | before | import (0) | 1/1")]
+    assert dense == ["| standard | before | import (0) | 1/1 (-0.10) |  | 1/1 (-0.30) "
+                     "| 1/1 (-0.30) |"]
+
+
 def test_compile_warm_up_config_is_a_valid_trainer_config(tmp_path):
     """The warm-up runs (Triton's compiles while the data is prepared: the first base step took
     99 s on an H200) get base.yaml's model on mock data, 2 steps of one sequence, nothing loaded

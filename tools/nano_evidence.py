@@ -985,6 +985,39 @@ def niah_by_length(path: str) -> Optional[dict]:
             "samples": len(r.get("samples", [])), "variant": r.get("attention_variant")}
 
 
+def superlinear_window_of(work: str, arms: List[str]) -> Optional[int]:
+    """The sliding window (tokens) of the first Superlinear arm's imported model, from its
+    ``model.yaml`` (``superlinear-search-power``, ``superlinear-sw-index``); None without one."""
+    from megatron_subq.ops.superlinear import superlinear_window  # noqa: PLC0415
+
+    for arm in arms:
+        path = os.path.join(work, "arms", arm, "run", "import", "model.yaml")
+        if os.path.isfile(path):
+            flags = _yaml(path)
+            if flags.get("attention-variant") == "superlinear":
+                return superlinear_window(float(flags.get("superlinear-search-power", 0.5)),
+                                          int(flags.get("superlinear-sw-index", 0)))
+    return None
+
+
+def niah_by_window(path: str, window: int) -> Optional[dict]:
+    """A NIAH result's samples split by the needle's distance from the prompt's end (prompt
+    tokens - needle position): "in" (<= window: the sliding window alone can reach it) and
+    "out" (farther: only the search path can), per length and in all. Each entry:
+    (correct, samples, mean answer log-prob)."""
+    if not os.path.isfile(path):
+        return None
+    groups: Dict[tuple, list] = {}
+    for smp in json.load(open(path, encoding="utf-8")).get("samples", []):
+        side = "in" if smp["prompt_tokens"] - smp["needle_position"] <= window else "out"
+        for key in ((side, None), (side, int(smp["length"]))):
+            g = groups.setdefault(key, [0, 0, 0.0])
+            g[0] += bool(smp["correct"])
+            g[1] += 1
+            g[2] += smp["answer_logprob"]
+    return {k: (g[0], g[1], g[2] / g[1]) for k, g in groups.items()}
+
+
 def heatmaps(work: str, arms: List[str], path: str) -> bool:
     """One PNG: a row per arm, before | after, accuracy over length x depth."""
     panels = []
@@ -1028,6 +1061,39 @@ def heatmaps(work: str, arms: List[str], path: str) -> bool:
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return True
+
+
+def window_table(work: str, arms: List[str], window: int, after: dict) -> List[str]:
+    """The summary's split of every arm's NIAH by the Superlinear window: found / samples
+    (answer log-prob) inside it and outside it, per length. Outside is what the search path
+    must reach; the dense arm is split by the same distance for comparison."""
+    rows = []
+    for arm in arms:
+        arm_dir = os.path.join(work, "arms", arm)
+        for when, f in (("before", os.path.join(arm_dir, "before", "niah.json")),
+                        ("after", os.path.join(arm_dir, "run", "eval", "niah.json"))):
+            split = niah_by_window(f, window)
+            if split is not None:
+                what = "import" if when == "before" else after.get(arm, {}).get("checkpoint",
+                                                                                 "?")
+                it = json.load(open(f, encoding="utf-8")).get("iteration")
+                rows.append((arm, when, f"{what} ({it})", split))
+    lengths = sorted({n for *_, split in rows for side, n in split if n is not None})
+    head = ["arm", "when", "checkpoint (iteration)", f"inside (≤ {window:,} tokens)",
+            *[f"outside, {_len_label(n)}" for n in lengths], "outside, all"]
+    out = [f"### Inside and outside the Superlinear window ({window:,} tokens)", "",
+           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def cell(split, key):
+        g = split.get(key)
+        return f"{g[0]}/{g[1]} ({g[2]:.2f})" if g else ""
+
+    for arm, when, what, split in rows:
+        out.append("| " + " | ".join([arm, when, what, cell(split, ("in", None)),
+                                      *[cell(split, ("out", n)) for n in lengths],
+                                      cell(split, ("out", None))]) + " |")
+    return out + ["", "Needles counted by their distance from the prompt's end; found / samples "
+                  "and, in brackets, the mean answer log-prob.", ""]
 
 
 def summary(work: str) -> str:
@@ -1080,6 +1146,9 @@ def summary(work: str) -> str:
                 "heatmaps (`niah-heatmaps.png`, and each eval's `niah.png`). The answer log-prob "
                 "is the mean over the answer's tokens (the 7-digit value), a finer signal than "
                 "accuracy.", ""]
+        window = superlinear_window_of(work, arms)
+        if window:
+            out += window_table(work, arms, window, after)
     base_niah = niah_by_length(os.path.join(work, "base", "niah", "niah.json"))
     its = info.get("iterations", {})
     base_its = its.get("base", {})
