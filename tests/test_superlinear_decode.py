@@ -235,6 +235,21 @@ def test_kernel_half_dtypes(dtype):
         assert step.dtype == dtype and rel_rms(step, full[:, 40]) <= BOUNDS[dtype], mma
 
 
+def test_decode_tile_defaults(monkeypatch):
+    """On a GPU the tensor-core form is the default up to head dim 128 (what its GPU tests and
+    timings cover) with tiles of >= 16 keys; the interpreter keeps the CUDA-core form."""
+    from megatron_subq.kernels.superlinear import decode
+
+    assert decode.decode_tiles(16, 128) == (16, 4, False)  # the interpreter (CPU tests)
+    monkeypatch.setattr(decode, "triton_interpreting", lambda: False)
+    assert decode.decode_chunk_default() == 256
+    assert decode.decode_tiles(256, 128) == (64, 4, True)
+    assert decode.decode_tiles(256, 256) == (64, 4, False)
+    assert decode.decode_tiles(256, 256, mma=True) == (64, 4, True)
+    assert decode.decode_tiles(8, 128) == (8, 4, False)
+    assert decode.decode_tiles(256, 64, block_n=32, warps=8, mma=False) == (32, 8, False)
+
+
 def test_decode_launch_options_are_checked():
     q, q_s, k, v = _inputs(1, 10, 4, 2, 8, device="cpu")
     cases = [(dict(block_n=8, mma=True), "mma=True needs block_n >= 16"),

@@ -282,16 +282,18 @@ def decode_chunk_default() -> int:
 DECODE_TILE_DEFAULTS = dict(block_n=64, warps=4, mma=True)
 
 
-def decode_tiles(chunk: int, block_n: Optional[int] = None, warps: Optional[int] = None,
-                 mma: Optional[bool] = None) -> Tuple[int, int, bool]:
+def decode_tiles(chunk: int, head_dim: int, block_n: Optional[int] = None,
+                 warps: Optional[int] = None, mma: Optional[bool] = None) -> Tuple[int, int, bool]:
     """(keys per tile, warps, tensor-core dots) of the attend kernel, None for the defaults.
     ``mma``: q (and the probabilities, as a bf16/fp16 hi + lo pair) as rows of a 16-row tile,
-    the dots on the tensor cores; needs tiles of >= 16 keys."""
+    the dots on the tensor cores; needs tiles of >= 16 keys. By default on a GPU up to head dim
+    128, the width its GPU tests and timings cover (wider heads keep the CUDA-core form unless
+    asked)."""
     interp = triton_interpreting()
     block_n = block_n or min(chunk, 16 if interp else DECODE_TILE_DEFAULTS["block_n"])
     warps = warps or DECODE_TILE_DEFAULTS["warps"]
     if mma is None:
-        mma = DECODE_TILE_DEFAULTS["mma"] and not interp and block_n >= 16
+        mma = DECODE_TILE_DEFAULTS["mma"] and not interp and block_n >= 16 and head_dim <= 128
     for name, value in (("block_n", block_n), ("warps", warps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
                 or value & (value - 1):
@@ -389,7 +391,7 @@ def superlinear_decode_kernel(q, q_s, k_cache, v_cache, length: int, search_powe
                           sw_index)
     _, offsets = decode_offsets(capacity_bucket(length), search_power, sw_index, q.device)
     chunk = chunk or decode_chunk_default()
-    tiles = decode_tiles(chunk, block_n, warps, mma)
+    tiles = decode_tiles(chunk, D, block_n, warps, mma)
     n_win, n_span, n_part = _layout(geo, chunk, topk)
     work = _work_buffers(B * H, geo["a_stride"], n_part, D, topk, q.device)
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
@@ -428,7 +430,7 @@ class SuperlinearDecodePlan:
                           sw_index=sw_index)
         self.topk = topk
         self.chunk = chunk or decode_chunk_default()
-        self.tiles = decode_tiles(self.chunk, block_n, warps, mma)
+        self.tiles = decode_tiles(self.chunk, head_dim, block_n, warps, mma)
         _, self.offsets = decode_offsets(capacity, search_power, sw_index, device)
         largest = decode_geometry(capacity, **self.knobs)  # spans and window only grow with i
         self.a_stride = largest["a_stride"]
