@@ -20,9 +20,11 @@ from typing import Optional
 import torch
 from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .config import SubqTransformerConfig
+from .experts import SubqSequentialMLP
 from .norm import FusedLocalNorm, LocalNorm
 from .variants import VARIANTS
 from .variants.standard import SDPACoreAttention
@@ -39,9 +41,10 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 
 class SubqLocalSpecProvider(LocalSpecProvider):
-    """megatron-core's local modules (column/row-parallel linears, MoE experts), with two of
-    this package's own where megatron's local ones do not serve (docs/architecture.md).
-    ``fused_norm``: its norm is ``FusedLocalNorm`` (the Triton RMSNorm, ``--subq-fused-norm``)."""
+    """megatron-core's local modules (column/row-parallel linears, MoE experts), with three of
+    this package's own where megatron's local ones do not serve (docs/architecture.md): the
+    norm, the core attention and the sequential experts. ``fused_norm``: its norm is
+    ``FusedLocalNorm`` (the Triton RMSNorm, ``--subq-fused-norm``)."""
 
     def __init__(self, fused_norm: bool = False):
         super().__init__()
@@ -57,6 +60,14 @@ class SubqLocalSpecProvider(LocalSpecProvider):
         """``SDPACoreAttention``: torch SDPA, on the CPU too; megatron's local
         ``DotProductAttention`` allocates on CUDA."""
         return SDPACoreAttention
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool,
+                            moe_use_legacy_grouped_gemm: bool):
+        """megatron's choice, with ``SubqSequentialMLP`` for its ``SequentialMLP`` (the same
+        experts; without autograd the empty ones are skipped: experts.py)."""
+        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm,
+                                                         moe_use_legacy_grouped_gemm)
+        return (SubqSequentialMLP if module is SequentialMLP else module), submodules
 
 
 def get_spec_provider(use_te: Optional[bool] = None, config=None) -> BackendSpecProvider:
