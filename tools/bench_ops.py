@@ -218,10 +218,9 @@ def _superlinear_decode_configs(args) -> List[tuple]:
     --superlinear-decode-launch (JSON: block_n, warps, mma; none: the kernel's defaults)."""
     launches = [json.loads(x) for x in args.superlinear_decode_launch] or [{}]
     for launch in launches:
-        bad = set(launch) - {"block_n", "warps", "mma"}
-        if not isinstance(launch, dict) or bad:
-            raise SystemExit(f"--superlinear-decode-launch {launch!r}: unknown keys {sorted(bad)};"
-                             " allowed block_n, warps, mma")
+        if not isinstance(launch, dict) or set(launch) - {"block_n", "warps", "mma"}:
+            raise SystemExit(f"--superlinear-decode-launch {launch!r}: allowed a JSON object "
+                             "with the keys block_n, warps, mma")
     out = []
     for chunk in (int(c) for c in args.superlinear_decode_chunk.split(",")):
         for launch in launches:

@@ -70,7 +70,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import yaml
 
@@ -985,6 +985,13 @@ def niah_by_length(path: str) -> Optional[dict]:
             "samples": len(r.get("samples", [])), "variant": r.get("attention_variant")}
 
 
+def niah_files(work: str, arm: str) -> Tuple[Tuple[str, str], ...]:
+    """An arm's two NIAH evaluations: ("before", the import's), ("after", the last stage's)."""
+    arm_dir = os.path.join(work, "arms", arm)
+    return (("before", os.path.join(arm_dir, "before", "niah.json")),
+            ("after", os.path.join(arm_dir, "run", "eval", "niah.json")))
+
+
 def superlinear_window_of(work: str, arms: List[str]) -> Optional[int]:
     """The sliding window (tokens) of the first Superlinear arm's imported model, from its
     ``model.yaml`` (``superlinear-search-power``, ``superlinear-sw-index``); None without one."""
@@ -1022,8 +1029,7 @@ def heatmaps(work: str, arms: List[str], path: str) -> bool:
     """One PNG: a row per arm, before | after, accuracy over length x depth."""
     panels = []
     for arm in arms:
-        for when, f in (("before", os.path.join(work, "arms", arm, "before", "niah.json")),
-                        ("after", os.path.join(work, "arms", arm, "run", "eval", "niah.json"))):
+        for when, f in niah_files(work, arm):
             panels.append((arm, when, json.load(open(f)) if os.path.isfile(f) else None))
     if not any(p[2] for p in panels):
         return False
@@ -1069,9 +1075,7 @@ def window_table(work: str, arms: List[str], window: int, after: dict) -> List[s
     must reach; the dense arm is split by the same distance for comparison."""
     rows = []
     for arm in arms:
-        arm_dir = os.path.join(work, "arms", arm)
-        for when, f in (("before", os.path.join(arm_dir, "before", "niah.json")),
-                        ("after", os.path.join(arm_dir, "run", "eval", "niah.json"))):
+        for when, f in niah_files(work, arm):
             split = niah_by_window(f, window)
             if split is not None:
                 what = "import" if when == "before" else after.get(arm, {}).get("checkpoint",
@@ -1123,9 +1127,7 @@ def summary(work: str) -> str:
         out += ["## NIAH accuracy, before → after (greedy answer = the needle's value)", ""]
         table, lengths = [], set()
         for arm in arms:
-            arm_dir = os.path.join(work, "arms", arm)
-            for when, f in (("before", os.path.join(arm_dir, "before", "niah.json")),
-                            ("after", os.path.join(arm_dir, "run", "eval", "niah.json"))):
+            for when, f in niah_files(work, arm):
                 r = niah_by_length(f)
                 if r:
                     lengths |= set(r["lengths"])
