@@ -32,7 +32,9 @@
 #   Copy the base's parts here, with a leading dot (ignored by git):
 #     for f in <files_at>/nano-base.tgz.a*; do cp "$f" ".${f##*/}"; done
 #   call B (carry [".whl", "data", ".nano-base.tgz.aa", ".nano-base.tgz.ab"] (.ab only when
-#   call A returned it), + a Triton cache part while the 64 MiB allow; ~19 MiB of base parts):
+#   call A returned it), + a Triton cache part while the 64 MiB allow; ~19 MiB of base parts;
+#   a grown cache pruned to the hybrid's kernels first: python tools/tcache.py prune
+#   .tcache.tgz.a* --drop '^(asa|approx|nonapprox|ppa)_|^decode_attend' --out /tmp/tc/tcache.tgz.):
 #     export CALL_T0=$(date +%s); source .whl/setup.sh && STAGE=arms bash tools/gpu_nano_evidence.sh
 #   the parts unpacked into WORK/base, no random model and no base training: the arms import
 #   WORK/base/hf and get the whole call (stages sized from the base's measured tokens/s, NIAH
