@@ -297,6 +297,13 @@ def bench_superlinear_decode(args, T: int, dtype) -> List[Row]:
         rows.append((f"superlinear_decode_plan[{tag}]", launches, None, dict(info)))
         rows.append((f"superlinear_decode_graph_step[{tag}]", step, None, dict(info)))
 
+    # dense decode as the model's standard layers run it: ops.standard_prefill on the cache's
+    # own [B, T, H_kv, D] buffers (SDPA's GQA on their transposed views, no copy)
+    from megatron_subq.ops import standard_prefill
+
+    rows.append(("standard_prefill_decode[cache layout]",
+                 lambda: standard_prefill(q[:, None], k_cache, v_cache), None,
+                 {"decode": True, "fwd_min_bytes": elt * B * H_kv * T * D * 2}))
     # dense decode: its own copy of the cache in SDPA's layout (not counted in the timing)
     k_dense, v_dense = (x.transpose(1, 2).contiguous() for x in (k_cache, v_cache))
     q_dense = q[:, :, None]  # [B, H, 1, D]

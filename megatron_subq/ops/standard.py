@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .dispatch import IMPLS, check_prefill, check_qkv, repeat_kv
 
@@ -61,27 +62,25 @@ def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
     k, v = k_cache[:, :end], v_cache[:, :end]
     H, D = q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    mask = None  # one query at the end sees every cached key
-    if C > 1:
-        mask = torch.ones(C, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
     if impl == "reference":
         acc = torch.promote_types(q.dtype, torch.float32)
         qf, kf, vf = (x.to(acc) for x in (q, repeat_kv(k, H), repeat_kv(v, H)))
         scores = torch.einsum("bihd,bjhd->bhij", qf, kf) * scale
-        if mask is not None:
+        if C > 1:  # causal, aligned bottom-right (a decode step sees every cached key)
+            mask = torch.ones(C, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
             scores = scores.masked_fill(~mask, float("-inf"))
         return torch.einsum("bhij,bjhd->bihd", scores.softmax(dim=-1), vf).to(q.dtype)
-    if C == 1:
-        # a decode step: the G = H / H_kv query heads of a KV head are G rows of one [G, L]
-        # problem, so K and V are read once per KV head, neither repeated nor masked (SDPA's
-        # fused kernels take it); repeat_kv's head order: query head h reads KV head h // G
-        B, H_kv = q.shape[0], k.shape[2]
-        qg = q.reshape(B, H_kv, H // H_kv, D)
-        out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), scale=scale)
-        return out.reshape(B, 1, H, v.shape[-1])  # v may be narrower than q, k (sas)
-    qt, kt, vt = q.transpose(1, 2), repeat_kv(k, H).transpose(1, 2), repeat_kv(v, H).transpose(1, 2)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2)
+    # SDPA's own GQA (query head h reads KV head h // (H / H_kv), repeat_kv's order) on the
+    # cache's [B, L, H_kv, D] buffers seen as [B, H_kv, L, D]: K and V are neither repeated nor
+    # copied. A decode step (C = 1) sees every cached key: no mask, and on CUDA flash decoding
+    # (the KV head's query heads packed, the keys split over the SMs). A later chunk is causal
+    # aligned bottom-right, as a CausalBias that flash takes without a materialised [C, L] mask.
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    mask = causal_lower_right(C, end) if C > 1 and start > 0 else None
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                         is_causal=C > 1 and start == 0, scale=scale,
+                                         enable_gqa=H != k.shape[2])
+    return out.transpose(1, 2)  # [B, C, H, Dv]: v may be narrower than q, k (sas)
 
 
 def _sdpa(q, k, v, causal: bool = True, scale: Optional[float] = None):
