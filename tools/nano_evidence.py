@@ -1007,15 +1007,13 @@ def superlinear_window_of(work: str, arms: List[str]) -> Optional[int]:
     return None
 
 
-def niah_by_window(path: str, window: int) -> Optional[dict]:
-    """A NIAH result's samples split by the needle's distance from the prompt's end (prompt
-    tokens - needle position): "in" (<= window: the sliding window alone can reach it) and
-    "out" (farther: only the search path can), per length and in all. Each entry:
-    (correct, samples, mean answer log-prob)."""
-    if not os.path.isfile(path):
-        return None
+def niah_by_window(result: dict, window: int) -> dict:
+    """A NIAH result's samples (``result``: its JSON, loaded) split by the needle's distance
+    from the prompt's end (prompt tokens - needle position): "in" (<= window: the sliding window
+    alone can reach it) and "out" (farther: only the search path can), per length and in all.
+    Each entry: (correct, samples, mean answer log-prob)."""
     groups: Dict[tuple, list] = {}
-    for smp in json.load(open(path, encoding="utf-8")).get("samples", []):
+    for smp in result.get("samples", []):
         side = "in" if smp["prompt_tokens"] - smp["needle_position"] <= window else "out"
         for key in ((side, None), (side, int(smp["length"]))):
             g = groups.setdefault(key, [0, 0, 0.0])
@@ -1076,12 +1074,12 @@ def window_table(work: str, arms: List[str], window: int, after: dict) -> List[s
     rows = []
     for arm in arms:
         for when, f in niah_files(work, arm):
-            split = niah_by_window(f, window)
-            if split is not None:
+            if os.path.isfile(f):
+                result = json.load(open(f, encoding="utf-8"))
                 what = "import" if when == "before" else after.get(arm, {}).get("checkpoint",
                                                                                  "?")
-                it = json.load(open(f, encoding="utf-8")).get("iteration")
-                rows.append((arm, when, f"{what} ({it})", split))
+                rows.append((arm, when, f"{what} ({result.get('iteration')})",
+                             niah_by_window(result, window)))
     lengths = sorted({n for *_, split in rows for side, n in split if n is not None})
     head = ["arm", "when", "checkpoint (iteration)", f"inside (≤ {window:,} tokens)",
             *[f"outside, {_len_label(n)}" for n in lengths], "outside, all"]

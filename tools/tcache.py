@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pathlib
 import re
 import sys
 import tarfile
@@ -39,7 +40,7 @@ def read_parts(parts: List[str]) -> tarfile.TarFile:
     missing = [p for p in parts if not os.path.isfile(p)]
     if missing:
         raise SystemExit(f"tcache.py: no such part: {', '.join(missing)}")
-    data = b"".join(open(p, "rb").read() for p in sorted(parts))
+    data = b"".join(pathlib.Path(p).read_bytes() for p in sorted(parts))
     try:
         return tarfile.open(fileobj=io.BytesIO(data), mode="r:gz")
     except (tarfile.TarError, OSError, EOFError) as err:

@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 from ..checks import triton_interpreting
+from ..launch import cdiv, pow2
+from .launch import precision
 from .plan import anchor_offsets, capacity_bucket, ceil_power, ceil_times, superlinear_window
 
 
@@ -314,8 +316,8 @@ def decode_tiles(chunk: int, head_dim: int, block_n: Optional[int] = None,
 
 def _layout(geo: dict, chunk: int, topk: int) -> Tuple[int, int, int]:
     """(window parts, parts per span, all parts) of a step's split-K layout."""
-    n_win = triton.cdiv(geo["pos"] - geo["win_lo"] + 1, chunk)
-    n_span = max(1, triton.cdiv(geo["back"] + geo["fwd"] + 1, chunk))
+    n_win = cdiv(geo["pos"] - geo["win_lo"] + 1, chunk)
+    n_span = max(1, cdiv(geo["back"] + geo["fwd"] + 1, chunk))
     return n_win, n_span, n_win + topk * n_span
 
 
@@ -329,8 +331,8 @@ def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chun
     B, H, D = q.shape
     H_kv = k.shape[2]
     block_n, warps, mma = tiles
-    block_d = max(16, triton.next_power_of_2(D))
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32: exact products, no TF32
+    block_d = max(16, pow2(D))
+    prec = precision(q.dtype)  # fp32: exact products, no TF32
     n_part = n_win + topk * n_span
     from_buf = geo_buf is not None
     geo_t = geo_buf if from_buf else offsets  # any pointer: not read without GEO_BUF
@@ -342,23 +344,23 @@ def _launch(q, q_s, k, v, out, geo, offsets, a_stride, n_win, n_span, topk, chun
         FWD=geo["fwd"])
     if n_cand > 0:
         block_a = 64 if not triton_interpreting() else 16
-        decode_search_kernel[(triton.cdiv(n_cand, block_a), B * H_kv)](
+        decode_search_kernel[(cdiv(n_cand, block_a), B * H_kv)](
             QS=q_s, K=k, OFF=offsets, SCORES=scores, GEO=geo_t, POS=ints["POS"], A=ints["A"],
             A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D, s_qb=q_s.stride(0),
             s_qh=q_s.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2),
             BLOCK_A=block_a, BLOCK_D=block_d, GEO_BUF=from_buf, MMA=mma,
-            BLOCK_G=max(16, triton.next_power_of_2(H // H_kv)), PREC=prec, num_warps=4)
+            BLOCK_G=max(16, pow2(H // H_kv)), PREC=prec, num_warps=4)
     decode_attend_kernel[(n_part, B * H)](
         Q=q, K=k, V=v, SCORES=scores, OFF=offsets, PART_M=part_m, PART_L=part_l, PART_O=part_o,
         SEL_S=sel_s, GEO=geo_t, **ints, A_STRIDE=a_stride, H=H, GROUP=H // H_kv, D=D,
         N_WIN=n_win, N_SPAN=n_span, NPART=n_part, scale=1.0 / math.sqrt(D), s_qb=q.stride(0),
         s_qh=q.stride(1), s_kb=k.stride(0), s_kt=k.stride(1), s_kh=k.stride(2), TOPK=topk,
-        BLOCK_ALL=max(16, triton.next_power_of_2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
+        BLOCK_ALL=max(16, pow2(a_stride)), CHUNK=chunk, BLOCK_N=block_n,
         BLOCK_D=block_d, GEO_BUF=from_buf, MMA=mma, PREC=prec, num_warps=warps)
     decode_combine_kernel[(B * H,)](
         PART_M=part_m, PART_L=part_l, PART_O=part_o, SEL_S=sel_s, O=out, H=H, D=D, N_WIN=n_win,
         N_SPAN=n_span, NPART=n_part, s_ob=out.stride(0), s_oh=out.stride(1), TOPK=topk,
-        TOPK_PAD=max(2, triton.next_power_of_2(topk)), BLOCK_P=16 if triton_interpreting() else 32,
+        TOPK_PAD=max(2, pow2(topk)), BLOCK_P=16 if triton_interpreting() else 32,
         BLOCK_D=block_d, num_warps=4)
     return out
 
@@ -442,7 +444,7 @@ class SuperlinearDecodePlan:
         largest = decode_geometry(capacity, **self.knobs)  # spans and window only grow with i
         self.a_stride = largest["a_stride"]
         w = superlinear_window(search_power, sw_index)
-        self.n_win = triton.cdiv(min(w, capacity), self.chunk) if w > 0 else 0
+        self.n_win = cdiv(min(w, capacity), self.chunk) if w > 0 else 0
         self.n_span = _layout(largest, self.chunk, topk)[1]
         n_part = self.n_win + topk * self.n_span
         self.work = _work_buffers(batch * heads, self.a_stride, n_part, head_dim, topk, device)
