@@ -3,7 +3,8 @@ handing SDPA the forms its fused kernels take, on the cache's own buffers. A dec
 ``[B, H, 1, D]`` queries with SDPA's GQA and no mask (flash decoding); a later chunk is a
 ``CausalBias`` aligned bottom-right; K and V are never repeated or copied. (The form a GQA
 decode step used to take, a KV head's query heads as query rows of one head, ran 13.5-52 ms per
-layer at 1M tokens in the model against 0.41 ms for flash decoding: docs/inference.md.)"""
+layer at 1M tokens in the model against 0.41 ms for flash decoding: docs/inference.md.) cuDNN's
+backend is off for the call: it plans per key length, and a cache's length changes every step."""
 
 import types
 
@@ -32,6 +33,9 @@ def test_sdpa_forms_and_results(monkeypatch, B, H, H_kv, D, Dv, start, C):
 
     def spy(query, key, value, attn_mask=None, **kwargs):
         calls.append((query.shape, key, value, attn_mask, kwargs))
+        # cuDNN would build a plan per new cache length (~40 ms each on an H200); flash stays on
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled()
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
 
     # the module's F only: CausalBias calls torch's own SDPA inside

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from .dispatch import IMPLS, check_prefill, check_qkv, repeat_kv
@@ -45,6 +46,10 @@ def standard_attention(q, k, v, causal: bool = True, scale: Optional[float] = No
     return _sdpa(q, k, v, causal=causal, scale=scale)
 
 
+# standard_prefill's SDPA backends over a growing KV cache, in torch's order of preference
+_CACHE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
                      scale: Optional[float] = None, impl: Optional[str] = None):
     """The queries of positions ``[start, start + C)`` over a key/value cache (decoding).
@@ -75,11 +80,14 @@ def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
     # copied. A decode step (C = 1) sees every cached key: no mask, and on CUDA flash decoding
     # (the KV head's query heads packed, the keys split over the SMs). A later chunk is causal
     # aligned bottom-right, as a CausalBias that flash takes without a materialised [C, L] mask.
+    # cuDNN's backend is left out: it builds an execution plan per new key length (40-50 ms each
+    # on an H200), and a cache's length changes every step; flash decoding needs no plan.
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = causal_lower_right(C, end) if C > 1 and start > 0 else None
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
-                                         is_causal=C > 1 and start == 0, scale=scale,
-                                         enable_gqa=H != k.shape[2])
+    with sdpa_kernel(_CACHE_BACKENDS):
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
+                                             is_causal=C > 1 and start == 0, scale=scale,
+                                             enable_gqa=H != k.shape[2])
     return out.transpose(1, 2)  # [B, C, H, Dv]: v may be narrower than q, k (sas)
 
 
