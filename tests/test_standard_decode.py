@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias
 
 from megatron_subq.ops import standard as standard_ops
@@ -58,3 +59,34 @@ def test_sdpa_forms_and_results(monkeypatch, B, H, H_kv, D, Dv, start, C):
         assert mask is None and kwargs["is_causal"] is True
     else:
         assert isinstance(mask, CausalBias) and kwargs["is_causal"] is False
+
+
+@pytest.mark.parametrize("only", ["flash", "mem_efficient", "math", "cudnn"])
+def test_backend_choice_keeps_the_users_but_cudnn(monkeypatch, only):
+    """--subq-sdpa-backend NAME (torch's enable_*_sdp) still holds inside standard_prefill:
+    cuDNN is dropped only from what is enabled, and kept when it is the one backend enabled."""
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    cuda = torch.backends.cuda
+
+    def spy(*args, **kwargs):
+        seen.append({name: getattr(cuda, f"{name}_sdp_enabled")()
+                     for name in ("flash", "mem_efficient", "math", "cudnn")})
+        with sdpa_kernel(SDPBackend.MATH):  # the CPU has no efficient or cuDNN kernel
+            return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(standard_ops, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    before = {name: getattr(cuda, f"{name}_sdp_enabled")()
+              for name in ("flash", "mem_efficient", "math", "cudnn")}
+    try:
+        for name in before:
+            getattr(cuda, f"enable_{name}_sdp")(name == only)
+        q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 5, 2, 8)
+        standard_prefill(q, k, k.clone())
+        after = {name: getattr(cuda, f"{name}_sdp_enabled")()
+                 for name in ("flash", "mem_efficient", "math", "cudnn")}
+    finally:
+        for name, on in before.items():
+            getattr(cuda, f"enable_{name}_sdp")(on)
+    assert seen == [{name: name == only for name in before}]
+    assert after == {name: name == only for name in before}  # restored after the call

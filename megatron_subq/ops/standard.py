@@ -46,8 +46,15 @@ def standard_attention(q, k, v, causal: bool = True, scale: Optional[float] = No
     return _sdpa(q, k, v, causal=causal, scale=scale)
 
 
-# standard_prefill's SDPA backends over a growing KV cache, in torch's order of preference
-_CACHE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+def _cache_backends():
+    """standard_prefill's SDPA backends: those enabled now (``--subq-sdpa-backend``, torch's
+    ``enable_*_sdp``) but cuDNN, which plans per key length while a cache grows every step; cuDNN
+    alone when it is the only one enabled (the user's explicit choice)."""
+    cuda = torch.backends.cuda
+    enabled = [b for b, on in ((SDPBackend.FLASH_ATTENTION, cuda.flash_sdp_enabled()),
+                               (SDPBackend.EFFICIENT_ATTENTION, cuda.mem_efficient_sdp_enabled()),
+                               (SDPBackend.MATH, cuda.math_sdp_enabled())) if on]
+    return enabled or [SDPBackend.CUDNN_ATTENTION]
 
 
 def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
@@ -84,7 +91,7 @@ def standard_prefill(q, k_cache, v_cache, start: Optional[int] = None,
     # on an H200), and a cache's length changes every step; flash decoding needs no plan.
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = causal_lower_right(C, end) if C > 1 and start > 0 else None
-    with sdpa_kernel(_CACHE_BACKENDS):
+    with sdpa_kernel(_cache_backends()):
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask,
                                              is_causal=C > 1 and start == 0, scale=scale,
                                              enable_gqa=H != k.shape[2])
