@@ -450,3 +450,34 @@ def test_module_definition_and_tiny_gpt_trains():
     losses = torch.tensor(r["losses"])
     assert torch.isfinite(losses).all()
     assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_plans_reach_a_gpu_without_a_blocking_copy(monkeypatch):
+    """kernels.superlinear.plan.to_device: a pinned, non-blocking copy to CUDA (a blocking copy of
+    pageable memory waits for the stream to drain: each new prefill chunk's plan stalled the host),
+    and every tensor of a plan goes through it."""
+    from megatron_subq.kernels.superlinear import decode as decode_mod, plan as plan_mod
+
+    calls = []
+
+    class Host:
+        def pin_memory(self):
+            calls.append("pin")
+            return self
+
+        def to(self, device, non_blocking=False):
+            calls.append((str(device), non_blocking))
+            return "on the device"
+
+    assert plan_mod.to_device(Host(), "cuda:0") == "on the device"
+    assert calls == ["pin", ("cuda:0", True)]
+    t = torch.arange(3)
+    assert plan_mod.to_device(t, None) is t and plan_mod.to_device(t, "cpu").equal(t)
+
+    seen = []
+    monkeypatch.setattr(plan_mod, "to_device", lambda host, device: seen.append(device) or host)
+    monkeypatch.setattr(decode_mod, "to_device", lambda host, device: seen.append(device) or host)
+    plan_mod.superlinear_plan_range(64, 96, device="cuda")
+    plan_mod.superlinear_plan(32, device="cuda")
+    decode_mod.decode_offsets(1 << 20, 0.5, 0, "cuda")  # a bucket no other test uses: not cached
+    assert seen == ["cuda"] * 7  # offsets, back, fwd twice; the decode offset table

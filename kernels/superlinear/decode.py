@@ -54,7 +54,8 @@ import triton.language as tl
 from ..checks import triton_interpreting
 from ..launch import cdiv, pow2
 from .launch import precision
-from .plan import anchor_offsets, capacity_bucket, ceil_power, ceil_times, superlinear_window
+from .plan import (anchor_offsets, capacity_bucket, ceil_power, ceil_times, superlinear_window,
+                   to_device)
 
 
 @triton.jit
@@ -264,7 +265,7 @@ def decode_offsets(capacity: int, search_power, sw_index: int, device):
     key = (capacity, search_power, sw_index, str(device))
     if key not in _OFFSETS:
         offsets = anchor_offsets(capacity, search_power, sw_index)
-        table = torch.tensor(offsets or (capacity,), dtype=torch.int32, device=device)
+        table = to_device(torch.tensor(offsets or (capacity,), dtype=torch.int32), device)
         _OFFSETS[key] = (offsets, table)
     return _OFFSETS[key]
 

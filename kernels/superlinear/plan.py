@@ -79,6 +79,19 @@ def _span_scale_table(T: int, span_power: float) -> Tuple[int, ...]:
     return tuple(table.tolist())
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without a stream sync. torch's blocking copy of pageable memory
+    to a GPU waits for the stream to drain, so a plan built mid-prefill (a new chunk's) stalled
+    the host behind the layers already enqueued; a pinned copy, non-blocking, does not (torch's
+    caching host allocator keeps the pinned buffer until the copy has run)."""
+    if device is None:
+        return host
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class SuperlinearPlan:
     """Everything about the sparsity pattern that depends on positions only (not on content)."""
@@ -101,10 +114,10 @@ def superlinear_plan(T: int, search_power: float = 0.5, span_power: float = 0.5,
         return (scale * f.numerator + f.denominator - 1) // f.denominator
 
     return SuperlinearPlan(
-        offsets=torch.tensor(anchor_offsets(T, search_power, sw_index), dtype=torch.int64,
-                             device=device),
-        back=ceil_factor(backward_factor).to(device),
-        fwd=ceil_factor(forward_factor).to(device),
+        offsets=to_device(torch.tensor(anchor_offsets(T, search_power, sw_index),
+                                       dtype=torch.int64), device),
+        back=to_device(ceil_factor(backward_factor), device),
+        fwd=to_device(ceil_factor(forward_factor), device),
         window=superlinear_window(search_power, sw_index),
     )
 
@@ -145,9 +158,9 @@ def superlinear_plan_range(first: int, stop: int, search_power: float = 0.5,
 
     offsets = anchor_offsets(capacity_bucket(stop), search_power, sw_index)
     return SuperlinearPlan(
-        offsets=torch.tensor(offsets, dtype=torch.int64, device=device),
-        back=ceil_factor(backward_factor).to(device),
-        fwd=ceil_factor(forward_factor).to(device),
+        offsets=to_device(torch.tensor(offsets, dtype=torch.int64), device),
+        back=to_device(ceil_factor(backward_factor), device),
+        fwd=to_device(ceil_factor(forward_factor), device),
         window=superlinear_window(search_power, sw_index),
         first=first,
     )
