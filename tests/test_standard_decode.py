@@ -16,6 +16,7 @@ from torch.nn.attention.bias import CausalBias
 
 from megatron_subq.ops import standard as standard_ops
 from megatron_subq.ops.standard import standard_prefill
+from megatron_subq.training.arguments import SDPA_BACKENDS, apply_sdpa_backend
 
 CASES = [(2, 4, 2, 16, 16), (1, 4, 4, 16, 16), (2, 4, 2, 16, 8)]  # B, H, H_kv, D, Dv
 
@@ -61,7 +62,7 @@ def test_sdpa_forms_and_results(monkeypatch, B, H, H_kv, D, Dv, start, C):
         assert isinstance(mask, CausalBias) and kwargs["is_causal"] is False
 
 
-@pytest.mark.parametrize("only", ["flash", "mem_efficient", "math", "cudnn"])
+@pytest.mark.parametrize("only", SDPA_BACKENDS[1:])
 def test_backend_choice_keeps_the_users_but_cudnn(monkeypatch, only):
     """--subq-sdpa-backend NAME (torch's enable_*_sdp) still holds inside standard_prefill:
     cuDNN is dropped only from what is enabled, and kept when it is the one backend enabled."""
@@ -69,22 +70,21 @@ def test_backend_choice_keeps_the_users_but_cudnn(monkeypatch, only):
     sdpa = F.scaled_dot_product_attention
     cuda = torch.backends.cuda
 
+    def flags():
+        return {name: getattr(cuda, f"{name}_sdp_enabled")() for name in SDPA_BACKENDS[1:]}
+
     def spy(*args, **kwargs):
-        seen.append({name: getattr(cuda, f"{name}_sdp_enabled")()
-                     for name in ("flash", "mem_efficient", "math", "cudnn")})
+        seen.append(flags())
         with sdpa_kernel(SDPBackend.MATH):  # the CPU has no efficient or cuDNN kernel
             return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(standard_ops, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
-    before = {name: getattr(cuda, f"{name}_sdp_enabled")()
-              for name in ("flash", "mem_efficient", "math", "cudnn")}
+    before = flags()
     try:
-        for name in before:
-            getattr(cuda, f"enable_{name}_sdp")(name == only)
+        apply_sdpa_backend(only)  # what the trainer does with the flag
         q, k = torch.randn(1, 1, 4, 8), torch.randn(1, 5, 2, 8)
         standard_prefill(q, k, k.clone())
-        after = {name: getattr(cuda, f"{name}_sdp_enabled")()
-                 for name in ("flash", "mem_efficient", "math", "cudnn")}
+        after = flags()
     finally:
         for name, on in before.items():
             getattr(cuda, f"enable_{name}_sdp")(on)
